@@ -1,0 +1,10 @@
+"""Environments: the `Env` protocol, the TRL tool-environment adapter, and the built-in environments."""
+
+from envs.base import Env, ToolEnv
+from envs.search import SearchEnv
+from envs.shop import ShopEnv
+from envs.terminal import TerminalEnv
+
+ENVIRONMENTS: dict[str, type[Env]] = {"shop": ShopEnv, "terminal": TerminalEnv, "search": SearchEnv}
+
+__all__ = ["ENVIRONMENTS", "Env", "SearchEnv", "ShopEnv", "TerminalEnv", "ToolEnv"]

@@ -1,0 +1,186 @@
+"""The environment protocol, and an adapter that runs TRL-style tool environments unchanged.
+
+An environment is an object with
+
+* `reset(task) -> observation`: start an episode on `task` (a JSON-serialisable dict); the observation is the text of
+  the first user message (instruction plus whatever the agent sees first);
+* `step(action_text) -> (observation, reward, done, info)`: apply the agent's whole turn (the decoded assistant text);
+  `reward` is this turn's reward (the outcome reward arrives on the final turn), `info["success"]` is set when `done`;
+* `state_key() -> str`: a hashable description of the current state (GiGPO anchors, EnvSched statistics).
+
+Built-in environments (`envs/shop.py`, `envs/terminal.py`, `envs/search.py`) subclass `Env` and also provide a seeded
+task generator with disjoint train and eval splits (`make_tasks`), an expert (`expert_action`) for demonstrations, and a
+plausible wrong action (`noisy_action`) for noisy demonstrations. Environments know nothing about trainers.
+
+`ToolEnv` wraps a class written for TRL's `environment_factory` (a `reset(**row)` method, public typed tool methods
+with Google-style docstrings, optional `get_reward()`): tool calls in the assistant text are parsed, the methods are
+called, and their results come back as `tool` messages; a turn without a tool call ends the episode.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import re
+from collections.abc import Callable
+from typing import Any
+
+from transformers.utils import get_json_schema
+
+
+class Env:
+    """Base class of the built-in environments. Subclasses set `name` and implement the methods below."""
+
+    name: str = "env"
+    #: most assistant turns an episode may take before the agent loop cuts it (a budget cut, not an env termination)
+    max_turns: int = 8
+    #: chat role of the observations returned by `step` ("user" for text environments, "tool" for tool results)
+    observation_role: str = "user"
+    #: JSON schemas of the tools rendered into the prompt by the chat template, or None for plain text actions
+    tools: list[dict] | None = None
+
+    def __init__(self, difficulty: int = 0):
+        self.difficulty = difficulty
+
+    @classmethod
+    def make_tasks(cls, split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:
+        """`n` tasks of `split` ("train" or "eval"); the two splits never share a task."""
+        raise NotImplementedError
+
+    def reset(self, task: dict) -> str:
+        raise NotImplementedError
+
+    def step(self, action: str) -> tuple[str, float, bool, dict]:
+        raise NotImplementedError
+
+    def state_key(self) -> str:
+        return ""
+
+    def expert_action(self) -> str:
+        """The correct next action in the current state."""
+        raise NotImplementedError
+
+    def noisy_action(self, rng: random.Random) -> str:
+        """A plausible but wrong next action (used to make demonstrations noisy)."""
+        raise NotImplementedError
+
+
+def check_split(split: str) -> None:
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+
+def split_of(text: str, eval_fraction: float = 0.2) -> str:
+    """Deterministic split of a task by the text that defines it, so train and eval never share a task.
+
+    A stable hash (not Python's salted `hash`) of the defining text decides: about `eval_fraction` of all possible tasks
+    are eval tasks, the rest train tasks.
+    >>> split_of("buy a red shirt") in ("train", "eval")
+    True
+    """
+    import hashlib
+
+    h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
+    return "eval" if h < eval_fraction else "train"
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> list[dict]:
+    """Tool calls in an assistant turn, Qwen/Hermes style: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+
+    A call whose body is not a JSON object with a string `name` is returned as `{"error": "..."}`.
+    >>> parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    [{'name': 'add', 'arguments': {'a': 1}}]
+    >>> parse_tool_calls("no call here")
+    []
+    """
+    calls = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            calls.append({"error": f"tool call is not valid JSON: {e.msg}"})
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append({"error": "tool call must be a JSON object with a string 'name'"})
+            continue
+        args = call.get("arguments", {})
+        if isinstance(args, str):  # some models emit the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                calls.append({"error": "tool call 'arguments' is not a JSON object"})
+                continue
+        calls.append({"name": call["name"], "arguments": args if isinstance(args, dict) else {}})
+    return calls
+
+
+def tool_methods(cls: type) -> dict[str, Callable]:
+    """Public methods of a TRL-style environment class that become tools (everything but `reset`/`get_reward`)."""
+    return {
+        name: fn
+        for name, fn in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_") and name not in ("reset", "get_reward")
+    }
+
+
+class ToolEnv(Env):
+    """Runs an unchanged TRL-style tool environment class through the `Env` protocol.
+
+    The task dict is passed to the class's `reset(**task)` (as TRL passes the dataset row); a string it returns is
+    appended to the first observation. The first observation is `task["prompt"]` when it is a string, or the content
+    of its last user message when it is a message list. Tool errors (unknown tool, bad arguments, an exception inside
+    the tool) become error observations, never exceptions. A turn without a tool call ends the episode with reward
+    `get_reward()` (0 when the class has none); `info["success"]` is `reward > 0`.
+    """
+
+    observation_role = "tool"
+
+    def __init__(self, env_cls: type, max_turns: int = 8):
+        super().__init__()
+        self.env_cls = env_cls
+        self.name = env_cls.__name__
+        self.max_turns = max_turns
+        self._methods = tool_methods(env_cls)
+        if not self._methods:
+            raise ValueError(f"{env_cls.__name__} has no public tool methods (methods not starting with '_')")
+        self.tools = [get_json_schema(fn) for fn in self._methods.values()]
+        self.instance: Any = None
+        self._n_calls = 0
+
+    def reset(self, task: dict) -> str:
+        self.instance = self.env_cls()
+        self._n_calls = 0
+        row = {k: v for k, v in task.items() if k != "prompt"}
+        extra = self.instance.reset(**row)
+        prompt = task.get("prompt", "")
+        if isinstance(prompt, list):
+            prompt = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
+        return prompt + (extra if isinstance(extra, str) else "")
+
+    def step(self, action: str) -> tuple[str, float, bool, dict]:
+        calls = parse_tool_calls(action)
+        if not calls:
+            reward = float(self.instance.get_reward()) if hasattr(self.instance, "get_reward") else 0.0
+            return "", reward, True, {"success": reward > 0, "tool_calls": 0}
+        results = []
+        for call in calls:
+            self._n_calls += 1
+            if "error" in call:
+                results.append(json.dumps({"error": call["error"]}))
+                continue
+            fn = self._methods.get(call["name"])
+            if fn is None:
+                results.append(json.dumps({"error": f"unknown tool {call['name']!r}"}))
+                continue
+            try:
+                results.append(str(getattr(self.instance, call["name"])(**call["arguments"])))
+            except Exception as e:  # a failing tool is an observation for the agent, as in TRL's tool loop
+                results.append(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        return "\n".join(results), 0.0, False, {"tool_calls": len(calls)}
+
+    def state_key(self) -> str:
+        return f"calls={self._n_calls}"

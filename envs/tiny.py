@@ -1,0 +1,250 @@
+"""The embedded default agent: `model_name_or_path: tiny:<env>` or `tiny-moe:<env>`, built offline in seconds.
+
+What `tiny_model("tiny:shop")` does, once per distinct setting (then it is read from the cache folder):
+
+1. plays the environment's expert, with per-turn noise, on training tasks to get demonstrations;
+2. trains a byte-level BPE tokenizer on their text with the Qwen2 pipeline (so `AutoTokenizer` reloads it with
+   identical ids), adds the chat and tool tokens, and a short Qwen2.5-style chat template with `{% generation %}`
+   marks so SFT trains assistant turns only;
+3. builds a tiny Qwen2 (dense) or Qwen3-MoE model (`tiny-moe:`: 8 experts, top-2) from its config;
+4. warm-starts it with TRL's `SFTTrainer` on the noisy demonstrations, so that it succeeds on some tasks but not most;
+5. saves model and tokenizer into one folder, keyed by a hash of every setting above, and returns its path.
+
+The cache lives in `$AGENT_TRL_CACHE` (default `~/.cache/agent-trl`). Building the default takes well under a minute
+on two CPU cores. Demonstrations are noisy on purpose: with probability `noise` a turn takes the environment's
+`noisy_action` (a plausible mistake) instead of the expert's, so SFT alone imitates the mistakes in its sampling
+distribution and RL has something to remove (see the project's notes on measuring RL gains honestly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from envs.base import Env
+
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{% generation %}"
+    "{{- message.content if message.content else '' }}"
+    "{%- if message.tool_calls %}{%- for tc in message.tool_calls %}"
+    "{{- '<tool_call>\\n' + ({'name': tc.function.name, 'arguments': tc.function.arguments} | tojson)"
+    " + '\\n</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>' }}"
+    "{% endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Every setting that changes the built folder; its hash names the cache entry."""
+
+    env: str
+    moe: bool = False
+    difficulty: int = 0
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    num_experts: int = 8
+    experts_per_token: int = 2
+    max_positions: int = 1024
+    vocab_size: int = 1024
+    num_demos: int = 2000
+    noise: float = 0.3
+    sft_steps: int = 300
+    sft_batch_size: int = 32
+    sft_lr: float = 3e-3
+    seed: int = 0
+    version: int = 1  # bump when the build recipe changes
+
+    @classmethod
+    def parse(cls, name: str, **overrides) -> TinySpec:
+        kind, _, env = name.partition(":")
+        if kind not in ("tiny", "tiny-moe") or not env:
+            raise ValueError(f"model_name_or_path {name!r}: expected 'tiny:<env>' or 'tiny-moe:<env>'")
+        return cls(env=env, moe=kind == "tiny-moe", **overrides)
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def is_tiny(name: str | None) -> bool:
+    return bool(name) and name.split(":", 1)[0] in ("tiny", "tiny-moe")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("AGENT_TRL_CACHE", Path.home() / ".cache" / "agent-trl"))
+
+
+def demonstrations(env_cls: type[Env], n: int, seed: int, difficulty: int, noise: float) -> list[list[dict]]:
+    """`n` chat transcripts of the expert on training tasks; each turn is a `noisy_action` with probability `noise`."""
+    rng = random.Random(seed)
+    demos = []
+    for task in env_cls.make_tasks("train", n, seed=seed, difficulty=difficulty):
+        env = env_cls(difficulty=difficulty)
+        messages = [{"role": "user", "content": env.reset(task)}]
+        for _ in range(env.max_turns):
+            action = env.noisy_action(rng) if rng.random() < noise else env.expert_action()
+            observation, _, done, _ = env.step(action)
+            messages.append({"role": "assistant", "content": action})
+            if done:
+                break
+            messages.append({"role": env.observation_role, "content": observation})
+        demos.append(messages)
+    return demos
+
+
+def build_tokenizer(texts: list[str], vocab_size: int = 1024):
+    """Byte-level BPE with the Qwen2 normaliser and pre-tokeniser, wrapped as a fast tokenizer with a chat template."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+        truncation_side="left",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.add_tokens(TOOL_TOKENS)  # non-special, as in Qwen: they survive decode(skip_special_tokens=False)
+    return fast
+
+
+def build_model(spec: TinySpec, tokenizer):
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=max(1, spec.num_heads // 2),
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    if spec.moe:
+        config = Qwen3MoeConfig(
+            **common,
+            head_dim=spec.hidden_size // spec.num_heads,
+            intermediate_size=spec.intermediate_size,
+            moe_intermediate_size=spec.intermediate_size // 2,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.experts_per_token,
+            norm_topk_prob=True,
+        )
+    else:
+        config = Qwen2Config(**common, intermediate_size=spec.intermediate_size)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True, max_new_tokens=32
+    )
+    return model
+
+
+def sft(model, tokenizer, demos: list[list[dict]], spec: TinySpec, output_dir: str):
+    """Warm start with TRL's SFTTrainer on assistant turns only."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(
+        output_dir=output_dir,
+        max_steps=spec.sft_steps,
+        per_device_train_batch_size=spec.sft_batch_size,
+        learning_rate=spec.sft_lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=10,
+        assistant_only_loss=True,
+        max_length=spec.max_positions,
+        logging_steps=50,
+        save_strategy="no",
+        report_to="none",
+        seed=spec.seed,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        activation_checkpointing=False,
+        disable_tqdm=False,
+    )
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list([{"messages": d} for d in demos]),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    return trainer.model
+
+
+def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> str:
+    """Path of the folder holding the tiny default for `name` ("tiny:shop", "tiny-moe:search", ...), built if needed."""
+    from envs import ENVIRONMENTS
+
+    spec = TinySpec.parse(name, difficulty=difficulty, seed=seed, **overrides)
+    if spec.env not in ENVIRONMENTS:
+        raise ValueError(f"model_name_or_path {name!r}: unknown environment {spec.env!r}; known: {sorted(ENVIRONMENTS)}")
+    folder = cache_root() / "tiny" / f"{name.replace(':', '-')}-{spec.key()}"
+    if (folder / "model.safetensors").exists():
+        return str(folder)
+    env_cls = ENVIRONMENTS[spec.env]
+    demos = demonstrations(env_cls, spec.num_demos, spec.seed, spec.difficulty, spec.noise)
+    # The tokenizer also sees clean expert text of eval-style tasks' vocabulary through the train demos only.
+    texts = [CHAT_TEMPLATE] + ["user assistant system tool"] + [m["content"] for d in demos for m in d]
+    tokenizer = build_tokenizer(texts, spec.vocab_size)
+    model = build_model(spec, tokenizer)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        model = sft(model, tokenizer, demos, spec, output_dir=os.path.join(tmp, "sft"))
+        staging = Path(tmp) / "model"
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
+        shutil.rmtree(staging / "sft", ignore_errors=True)
+        try:
+            os.replace(staging, folder)  # atomic: a crash never leaves a half-written cache entry
+        except OSError:
+            if not (folder / "model.safetensors").exists():  # another process won the race only if it finished
+                raise
+    return str(folder)

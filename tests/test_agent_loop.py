@@ -1,0 +1,150 @@
+"""Rollout contracts of trainers/agent_loop.py: TITO, masks, turn ids, budgets, errors, batching."""
+
+import torch
+from conftest import EchoEnv
+
+from trainers.agent_loop import LoopSettings, hf_generate, observation_text, play, render_prompt_ids
+
+
+def scripted(tokenizer, answer=lambda word: word, close=True, calls=None):
+    """A GenerateFn that answers the last 'say X' of each context with the ids of answer(X) (+ eos)."""
+
+    def generate(contexts, max_new_tokens):
+        if calls is not None:
+            calls.append(len(contexts))
+        out = []
+        for ctx in contexts:
+            word = tokenizer.decode(ctx).rsplit("say ", 1)[-1].split("<|im_end|>")[0]
+            ids = tokenizer(answer(word), add_special_tokens=False)["input_ids"]
+            ids = (ids + [tokenizer.eos_token_id] if close else ids)[:max_new_tokens]
+            out.append((ids, [-0.5] * len(ids)))
+        return out
+
+    return generate
+
+
+def episodes(n, seed=0):
+    return EchoEnv.make_tasks("train", n, seed=seed)
+
+
+def test_expert_script_succeeds_and_generation_is_batched(tiny_tokenizer):
+    calls = []
+    tasks = episodes(5)
+    rollouts = play(scripted(tiny_tokenizer, calls=calls), tiny_tokenizer, [EchoEnv() for _ in tasks], tasks)
+    assert all(r.success and r.done and not r.truncated for r in rollouts)
+    assert [r.turn_rewards for r in rollouts] == [[1.0, 1.0, 1.0]] * 5
+    assert calls == [5, 5, 5]  # one batched generate call per turn, not one per episode
+
+
+def test_tito_ids_masks_and_turn_index(tiny_tokenizer):
+    tok = tiny_tokenizer
+    tasks = episodes(3)
+    sampled = []
+
+    def generate(contexts, n):
+        out = scripted(tok)(contexts, n)
+        sampled.append([ids for ids, _ in out])
+        return out
+
+    rollouts = play(generate, tok, [EchoEnv() for _ in tasks], tasks)
+    for b, r in enumerate(rollouts):
+        assert len(r.completion_ids) == len(r.logprobs) == len(r.env_mask) == len(r.turn_index)
+        # model tokens are exactly the sampled ids, turn after turn, never re-tokenised
+        model_tokens = [t for t, m in zip(r.completion_ids, r.env_mask, strict=True) if m == 1]
+        assert model_tokens == [i for turn in sampled for i in turn[b]]
+        for m, k, lp in zip(r.env_mask, r.turn_index, r.logprobs, strict=True):
+            assert (k >= 0) == (m == 1)
+            assert (lp == 0.0) == (m == 0)
+        turns = [k for k in r.turn_index if k >= 0]
+        assert sorted(set(turns)) == list(range(len(r.turn_rewards)))
+        assert turns == sorted(turns)  # contiguous and increasing
+        # decoding the ids reproduces the transcript rendered by the chat template
+        messages = [{"role": "user", "content": f"say {tasks[b]['words'][0]}"}]
+        for t, turn in enumerate(r.transcript):
+            messages.append({"role": "assistant", "content": turn["action"]})
+            if t < len(r.transcript) - 1:
+                messages.append({"role": "user", "content": turn["observation"]})
+        rendered = tok.apply_chat_template(messages, tokenize=False)
+        assert tok.decode(r.prompt_ids + r.completion_ids) == rendered.rstrip("\n")
+
+
+def test_truncated_turn_is_closed_by_an_environment_eos(tiny_tokenizer):
+    tok = tiny_tokenizer
+    tasks = episodes(2)
+    settings = LoopSettings(max_turn_tokens=2, max_completion_length=200)
+    rollouts = play(
+        scripted(tok, answer=lambda w: w + " " + w + " " + w, close=False),
+        tok,
+        [EchoEnv() for _ in tasks],
+        tasks,
+        settings=settings,
+    )
+    for r in rollouts:
+        first_env = r.env_mask.index(0)
+        assert r.completion_ids[first_env] == tok.eos_token_id  # closing token, masked as environment
+        assert r.turn_index[first_env] == -1
+        assert r.env_mask[:first_env] == [1, 1]
+
+
+def test_budgets_truncate_and_turn_budget(tiny_tokenizer):
+    tasks = episodes(2)
+    rollouts = play(
+        scripted(tiny_tokenizer), tiny_tokenizer, [EchoEnv() for _ in tasks], tasks, settings=LoopSettings(max_turns=2)
+    )
+    assert all(r.truncated and not r.success and len(r.turn_rewards) == 2 for r in rollouts)
+    rollouts = play(
+        scripted(tiny_tokenizer),
+        tiny_tokenizer,
+        [EchoEnv() for _ in tasks],
+        tasks,
+        settings=LoopSettings(max_completion_length=12),
+    )
+    assert all(r.truncated and len(r.completion_ids) <= 12 for r in rollouts)
+
+
+def test_environment_errors_become_observations(tiny_tokenizer):
+    tasks = episodes(2)
+    rollouts = play(
+        scripted(tiny_tokenizer, answer=lambda w: "boom"), tiny_tokenizer, [EchoEnv() for _ in tasks], tasks
+    )
+    assert all(r.transcript[0]["observation"].startswith("error: RuntimeError: kaboom") for r in rollouts)
+    assert all(r.env_errors == EchoEnv.max_turns and r.truncated for r in rollouts)
+    rollouts = play(
+        scripted(tiny_tokenizer, answer=lambda w: "hang"),
+        tiny_tokenizer,
+        [EchoEnv()],
+        tasks[:1],
+        settings=LoopSettings(env_timeout=0.2),
+    )
+    assert rollouts[0].done and not rollouts[0].truncated and rollouts[0].env_errors == 1
+    assert "timed out" in rollouts[0].transcript[0]["observation"]
+
+
+def test_observation_text_follows_the_template(tiny_tokenizer):
+    text = observation_text(tiny_tokenizer, "say apple")
+    assert text == "\n<|im_start|>user\nsay apple<|im_end|>\n<|im_start|>assistant\n"
+    ids = render_prompt_ids(tiny_tokenizer, "say apple")
+    assert tiny_tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_real_model_logprobs_match_a_forward_pass(tiny_tokenizer, tiny_model_folder):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
+    tasks = episodes(4)
+    gen = hf_generate(model, tiny_tokenizer, temperature=0.7)
+    rollouts = play(
+        gen,
+        tiny_tokenizer,
+        [EchoEnv() for _ in tasks],
+        tasks,
+        settings=LoopSettings(max_turn_tokens=6, max_completion_length=60),
+    )
+    for r in rollouts:
+        ids = torch.tensor([r.prompt_ids + r.completion_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1 : -1] / 0.7
+        ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
+        mask = torch.tensor(r.env_mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(r.logprobs)[mask], ref[mask], atol=1e-4, rtol=0)

@@ -1,0 +1,12 @@
+"""Trainers: the agent GRPO base, the agent loop, and one small file per method.
+
+`TRAINERS` maps the `trainer:` name of a config to its (Trainer, Config) pair; it is the project's only lookup table.
+"""
+
+from trainers.base import AgentGRPOConfig, AgentGRPOTrainer
+
+TRAINERS: dict[str, tuple[type, type]] = {
+    "grpo": (AgentGRPOTrainer, AgentGRPOConfig),
+}
+
+__all__ = ["TRAINERS", "AgentGRPOConfig", "AgentGRPOTrainer"]

@@ -1,0 +1,343 @@
+"""Multi-turn rollouts: the agent plays environments, batched across every live episode, token-in/token-out.
+
+`play` is the loop; `rollout_func` adapts it to TRL's `rollout_func(prompts, trainer)` hook, and `evaluate` runs it on
+held-out tasks outside training. One turn of the loop:
+
+1. the contexts of all live episodes (`prompt_ids + completion_ids`, plain token concatenation, never re-tokenised)
+   are left-padded and generated in ONE batched call, capped at `max_turn_tokens` new tokens;
+2. each row is cut at its first end-of-turn id (kept, so stopping receives gradient); the sampled ids and their
+   sampling log-probs are appended with `env_mask` 1 and `turn_index` k;
+3. each environment steps on the decoded turn (in threads, with a timeout; an exception becomes an error observation,
+   a hang ends the episode);
+4. the observation is rendered by the chat template as the next message plus the next generation prompt, and its ids
+   are appended with `env_mask` 0, log-prob 0 and `turn_index` -1. A turn cut by its token cap is closed by an
+   end-of-turn id in front of the observation (an environment token), so the stored sequence stays well formed.
+
+An episode ends when the environment says `done` (terminated), or when it runs out of turns or of completion tokens
+(`truncated`: a budget cut, which critic trainers bootstrap from). The outcome reward is the sum of the per-turn rewards.
+
+Returned per rollout (the data contract of DESIGN.md): `prompt_ids`, `completion_ids`, `logprobs`, `env_mask`,
+`turn_index`, `turn_rewards` (K), `state_keys` (K, the state before each turn), `transcript` (per turn: action,
+observation, reward), `env_reward`, `success`, `truncated`, `final_info`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from envs.base import Env
+
+# A generation backend: (contexts, max_new_tokens) -> one (sampled ids, sampling log-probs) pair per context.
+GenerateFn = Callable[[list[list[int]], int], list[tuple[list[int], list[float]]]]
+
+
+@dataclass
+class LoopSettings:
+    """Budgets of one episode. `max_turns=None` uses each environment's own `max_turns`."""
+
+    max_turn_tokens: int = 32
+    max_completion_length: int = 256
+    max_turns: int | None = None
+    env_timeout: float = 30.0
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)
+    turn_index: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    state_keys: list[str] = field(default_factory=list)
+    transcript: list[dict] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+    success: bool = False
+    env_errors: int = 0  # environment exceptions and timeouts, turned into observations
+    final_info: dict = field(default_factory=dict)
+
+    @property
+    def env_reward(self) -> float:
+        return float(sum(self.turn_rewards))
+
+
+def render_prompt_ids(tokenizer, messages: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
+    """Chat-templated prompt ids ending with the generation prompt; a plain string is one user message."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def observation_text(tokenizer, observation: str, role: str = "user") -> str:
+    """What the chat template puts between the end-of-turn of an assistant turn and the next generation prompt's end.
+
+    Rendered from the tokenizer's own template, so any Qwen/ChatML-style template works unchanged.
+    """
+    sentinel = "\x02ACTION\x02"
+    eos = tokenizer.eos_token
+    messages = [{"role": "user", "content": "\x01"}, {"role": "assistant", "content": sentinel}]
+    messages.append({"role": role, "content": observation})
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    anchor = full.find(sentinel + eos)
+    if anchor < 0:
+        raise ValueError(f"chat template does not end assistant turns with the eos token {eos!r}")
+    return full[anchor + len(sentinel) + len(eos) :]
+
+
+def _step_with_timeout(env: Env, action: str, timeout: float) -> tuple[str, float, bool, dict]:
+    """env.step in a daemon thread: an exception becomes an error observation, a hang a terminated episode."""
+    result: list = []
+
+    def target():
+        try:
+            result.append(env.step(action))
+        except Exception as e:  # an environment bug must not crash training
+            result.append((f"error: {type(e).__name__}: {e}", 0.0, False, {"env_error": True}))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not result:
+        return f"error: environment step timed out after {timeout:g}s", 0.0, True, {"env_timeout": True}
+    return result[0]
+
+
+def play(
+    generate: GenerateFn,
+    tokenizer,
+    envs: Sequence[Env],
+    tasks: Sequence[dict],
+    prompts: Sequence[list[dict] | str] | None = None,
+    settings: LoopSettings | None = None,
+    num_live_global: Callable[[int], int] | None = None,
+    progress: bool = False,
+) -> list[Rollout]:
+    """Play one episode per (env, task) with batched generation; returns one `Rollout` per episode, in order.
+
+    `prompts` (optional) are the dataset prompts; the first observation from `env.reset` replaces the content of their
+    last user message (so a TRL-style `reset` that appends text works as in TRL). `num_live_global` maps this process's
+    live-episode count to the count over all processes, so every process makes the same number of generate calls
+    (needed under ZeRO-3/FSDP, where each generate call is a collective); a process with nothing left generates on a
+    one-token dummy context and discards it.
+    """
+    settings = settings or LoopSettings()
+    eos_id = tokenizer.eos_token_id
+    rollouts, turns = [], []
+    for i, (env, task) in enumerate(zip(envs, tasks, strict=True)):
+        first = env.reset(task)
+        messages = copy.deepcopy(prompts[i]) if prompts is not None else [{"role": "user", "content": first}]
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        user = [m for m in messages if m["role"] == "user"]
+        if user:
+            user[-1]["content"] = first
+        else:
+            messages.append({"role": "user", "content": first})
+        rollouts.append(Rollout(prompt_ids=render_prompt_ids(tokenizer, messages, env.tools)))
+        turns.append(settings.max_turns if settings.max_turns is not None else env.max_turns)
+
+    bar = tqdm(total=len(rollouts), desc="episodes", leave=False, disable=not progress)
+    k = 0
+    while True:
+        live = [i for i, r in enumerate(rollouts) if not r.done]
+        if (num_live_global(len(live)) if num_live_global else len(live)) == 0:
+            break
+        if not live:  # keep generate calls in step with the other processes
+            generate([[eos_id]], 1)
+            continue
+        budgets = [settings.max_completion_length - len(rollouts[i].completion_ids) for i in live]
+        for i in live:
+            rollouts[i].state_keys.append(envs[i].state_key())
+        outputs = generate([rollouts[i].prompt_ids + rollouts[i].completion_ids for i in live],
+                           min(settings.max_turn_tokens, max(budgets)))
+        steps = []
+        for i, budget, (ids, logps) in zip(live, budgets, outputs, strict=True):
+            if eos_id in ids:
+                cut = ids.index(eos_id) + 1
+                ids, logps = ids[:cut], logps[:cut]
+            ids, logps = ids[: min(budget, settings.max_turn_tokens)], logps[: min(budget, settings.max_turn_tokens)]
+            r = rollouts[i]
+            r.completion_ids += ids
+            r.logprobs += [float(x) for x in logps]
+            r.env_mask += [1] * len(ids)
+            r.turn_index += [k] * len(ids)
+            closed = bool(ids) and ids[-1] == eos_id
+            action = tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=False)
+            steps.append((i, action, closed))
+        results = [None] * len(steps)
+
+        def run(j, i=None, action=None):
+            results[j] = _step_with_timeout(envs[i], action, settings.env_timeout)
+
+        threads = [threading.Thread(target=run, args=(j, i, a), daemon=True) for j, (i, a, _) in enumerate(steps)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for (i, action, closed), (observation, reward, done, info) in zip(steps, results, strict=True):
+            r = rollouts[i]
+            r.turn_rewards.append(float(reward))
+            r.env_errors += int(bool(info.get("env_error") or info.get("env_timeout")))
+            r.final_info = dict(info)
+            r.success = bool(info.get("success", False))
+            r.transcript.append({"action": action, "observation": observation, "reward": float(reward)})
+            out_of_tokens = len(r.completion_ids) >= settings.max_completion_length
+            if done or k + 1 >= turns[i] or out_of_tokens:
+                r.done, r.truncated = True, not done
+                bar.update(1)
+                continue
+            obs_ids = tokenizer(observation_text(tokenizer, observation, envs[i].observation_role),
+                                add_special_tokens=False)["input_ids"]
+            if not closed:
+                obs_ids = [eos_id] + obs_ids
+            if len(r.completion_ids) + len(obs_ids) >= settings.max_completion_length:
+                r.done, r.truncated = True, True  # no room for the observation and another turn
+                bar.update(1)
+                continue
+            r.completion_ids += obs_ids
+            r.logprobs += [0.0] * len(obs_ids)
+            r.env_mask += [0] * len(obs_ids)
+            r.turn_index += [-1] * len(obs_ids)
+        k += 1
+    bar.close()
+    return rollouts
+
+
+def hf_generate(model, tokenizer, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                min_p: float | None = None, repetition_penalty: float = 1.0, do_sample: bool = True,
+                eos_token_ids: list[int] | None = None, recorder: Any = None) -> GenerateFn:
+    """A `GenerateFn` over transformers' `generate`; log-probs are those of the processed (sampling) distribution.
+
+    `recorder` (optional) is a routing recorder (see `trainers/routing_replay.py`) whose `record(...)` context wraps
+    each generate call.
+    """
+    from transformers import GenerationConfig
+
+    eos = eos_token_ids or [tokenizer.eos_token_id]
+
+    def generate(contexts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+        width = max(len(c) for c in contexts)
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=model.device)
+        config = GenerationConfig(
+            do_sample=do_sample, temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
+            top_k=top_k if do_sample else None, min_p=min_p, repetition_penalty=repetition_penalty,
+            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+            output_scores=True, return_dict_in_generate=True,
+        )
+        with torch.no_grad(), (recorder.record(mask) if recorder is not None else _nullcontext()):
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        new = out.sequences[:, width:]                                          # (N, t)
+        scores = torch.stack(out.scores, dim=1).float()                         # (N, t, V)
+        logps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (N, t)
+        results = []
+        for row_ids, row_logps in zip(new.tolist(), logps.tolist(), strict=True):
+            n = len(row_ids)
+            for j, t in enumerate(row_ids):
+                if t in eos:
+                    n = j + 1
+                    break
+            results.append((row_ids[:n], row_logps[:n]))
+        return results
+
+    return generate
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def vllm_generate(trainer) -> GenerateFn:
+    """A `GenerateFn` over TRL's vLLM helper (`use_vllm: true`; GPU only). Per-turn caps are applied by cutting."""
+
+    def generate(contexts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+        _, completion_ids, logprobs, _ = trainer.vllm_generation.generate(
+            prompts=contexts, images=None, num_generations=1
+        )
+        return [(ids[:max_new_tokens], [lp[0] for lp in lps][:max_new_tokens])
+                for ids, lps in zip(completion_ids, logprobs, strict=True)]
+
+    return generate
+
+
+def to_trl(rollouts: list[Rollout]) -> dict[str, list]:
+    """The `rollout_func` return value: TRL's required keys, `env_mask`, and the contract's extra fields."""
+    return {
+        "prompt_ids": [r.prompt_ids for r in rollouts],
+        "completion_ids": [r.completion_ids for r in rollouts],
+        "logprobs": [r.logprobs for r in rollouts],
+        "env_mask": [r.env_mask for r in rollouts],
+        "turn_index": [r.turn_index for r in rollouts],
+        "turn_rewards": [r.turn_rewards for r in rollouts],
+        "state_keys": [r.state_keys for r in rollouts],
+        "transcript": [r.transcript for r in rollouts],
+        "env_reward": [r.env_reward for r in rollouts],
+        "success": [r.success for r in rollouts],
+        "truncated": [r.truncated for r in rollouts],
+        "env_errors": [r.env_errors for r in rollouts],
+        "final_info": [r.final_info for r in rollouts],
+    }
+
+
+def rollout_func(prompts: list, trainer) -> dict[str, list]:
+    """TRL's `rollout_func` hook. Row data (the task of each prompt) is read from `trainer._rows`, set by the trainer
+    right before TRL calls this, in the same order as `prompts` (already repeated G times)."""
+    from trl.models import unwrap_model_for_generation
+
+    rows = trainer._rows
+    if len(rows) != len(prompts):
+        raise RuntimeError(f"rollout_func got {len(prompts)} prompts but {len(rows)} stashed rows")
+    envs = [trainer.env_factory(row) for row in rows]
+    tasks = [json.loads(row["task"]) if isinstance(row["task"], str) else row["task"] for row in rows]
+    settings = trainer.loop_settings
+    sync = trainer.num_live_global
+    if trainer.use_vllm:
+        return to_trl(play(vllm_generate(trainer), trainer.processing_class, envs, tasks, prompts, settings, sync))
+    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+        generate = hf_generate(
+            model, trainer.processing_class, temperature=trainer.temperature, top_p=trainer.top_p,
+            top_k=trainer.top_k, min_p=trainer.min_p, repetition_penalty=trainer.repetition_penalty,
+            eos_token_ids=trainer.eos_token_ids, recorder=trainer.routing_recorder,
+        )
+        return to_trl(play(generate, trainer.processing_class, envs, tasks, prompts, settings, sync))
+
+
+def evaluate(model, tokenizer, env_cls: type[Env] | Callable[[], Env], tasks: list[dict],
+             settings: LoopSettings | None = None, temperature: float = 1.0, greedy: bool = False,
+             batch_size: int = 64, samples: int = 1, progress: bool = True) -> dict[str, float]:
+    """Held-out success and reward: `samples` episodes per task (pass^k counts tasks solved in all of them)."""
+    was_training = model.training
+    model.eval()
+    generate = hf_generate(model, tokenizer, temperature=temperature, do_sample=not greedy)
+    jobs = [t for t in tasks for _ in range(samples)]
+    rollouts: list[Rollout] = []
+    bar = tqdm(total=len(jobs), desc="greedy eval" if greedy else "sampled eval", disable=not progress, leave=False)
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start : start + batch_size]
+        rollouts += play(generate, tokenizer, [env_cls() for _ in chunk], chunk, settings=settings)
+        bar.update(len(chunk))
+    bar.close()
+    model.train(was_training)
+    successes = torch.tensor([r.success for r in rollouts], dtype=torch.float64).view(len(tasks), samples)
+    rewards = torch.tensor([r.env_reward for r in rollouts], dtype=torch.float64)
+    return {
+        "success": successes.mean().item(),
+        "reward": rewards.mean().item(),
+        f"pass^{samples}": successes.min(dim=1).values.mean().item(),
+        "turns": sum(len(r.turn_rewards) for r in rollouts) / len(rollouts),
+    }
