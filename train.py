@@ -48,8 +48,13 @@ class RunArguments:
 def make_dataset(env_cls, split: str, n: int, seed: int, difficulty: int) -> Dataset:
     rows = []
     for task in env_cls.make_tasks(split, n, seed=seed, difficulty=difficulty):
-        rows.append({"prompt": env_cls(difficulty=difficulty).reset(task), "task": json.dumps(task),
-                     "task_id": task["task_id"]})
+        rows.append(
+            {
+                "prompt": env_cls(difficulty=difficulty).reset(task),
+                "task": json.dumps(task),
+                "task_id": task["task_id"],
+            }
+        )
     return Dataset.from_list(rows)
 
 
@@ -57,9 +62,12 @@ def held_out(model, tokenizer, env_cls, run: RunArguments, config, tasks) -> dic
     settings = LoopSettings(config.max_turn_tokens, config.max_completion_length, config.max_turns)
     factory = partial(env_cls, difficulty=run.difficulty)
     kw = dict(settings=settings, batch_size=run.eval_batch_size)
-    return {"sampled": evaluate(model, tokenizer, factory, tasks, temperature=config.temperature,
-                                samples=run.eval_samples, **kw),
-            "greedy": evaluate(model, tokenizer, factory, tasks, greedy=True, **kw)}
+    return {
+        "sampled": evaluate(
+            model, tokenizer, factory, tasks, temperature=config.temperature, samples=run.eval_samples, **kw
+        ),
+        "greedy": evaluate(model, tokenizer, factory, tasks, greedy=True, **kw),
+    }
 
 
 def parse(argv: list[str] | None = None):
@@ -81,8 +89,10 @@ def main(argv: list[str] | None = None) -> dict:
     if is_tiny(name):  # the embedded default: built offline once, then read from the cache
         model_args.model_name_or_path = tiny_model(name, difficulty=run.difficulty, seed=config.seed)
     quantization = get_quantization_config(model_args)
-    config.model_init_kwargs = {"dtype": model_args.dtype or "float32",
-                                **({"device_map": "cpu"} if quantization and config.use_cpu else {})}
+    config.model_init_kwargs = {
+        "dtype": model_args.dtype or "float32",
+        **({"device_map": "cpu"} if quantization and config.use_cpu else {}),
+    }
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left")
     env_cls = ENVIRONMENTS[run.env]
     train_ds = make_dataset(env_cls, "train", run.num_train_tasks, run.task_seed, run.difficulty)
@@ -94,8 +104,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"held-out success before RL: {json.dumps(summary['before'])}")
         del model
     trainer = trainer_cls(
-        model=model_args.model_name_or_path, args=config, train_dataset=train_ds, processing_class=tokenizer,
-        env_factory=lambda row: env_cls(difficulty=run.difficulty), peft_config=get_peft_config(model_args),
+        model=model_args.model_name_or_path,
+        args=config,
+        train_dataset=train_ds,
+        processing_class=tokenizer,
+        env_factory=lambda row: env_cls(difficulty=run.difficulty),
+        peft_config=get_peft_config(model_args),
         quantization_config=quantization,
     )
     trainer.train()
@@ -108,8 +122,11 @@ def main(argv: list[str] | None = None) -> dict:
     summary["log_history"] = trainer.state.log_history
     if trainer.accelerator.is_main_process:
         write_summary(os.path.join(config.output_dir, "summary.json"), summary)
-        plot_curves(trainer.state.log_history, os.path.join(config.output_dir, "curves.png"),
-                    title=f"{run.trainer} on {name} (difficulty {run.difficulty})")
+        plot_curves(
+            trainer.state.log_history,
+            os.path.join(config.output_dir, "curves.png"),
+            title=f"{run.trainer} on {name} (difficulty {run.difficulty})",
+        )
     return summary
 
 

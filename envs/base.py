@@ -9,8 +9,8 @@ An environment is an object with
 * `state_key() -> str`: a hashable description of the current state (GiGPO anchors, EnvSched statistics).
 
 Built-in environments (`envs/shop.py`, `envs/terminal.py`, `envs/search.py`) subclass `Env` and also provide a seeded
-task generator with disjoint train and eval splits (`make_tasks`), an expert (`expert_action`) for demonstrations, and a
-plausible wrong action (`noisy_action`) for noisy demonstrations. Environments know nothing about trainers.
+task generator with disjoint train and eval splits (`make_tasks`), an expert (`expert_action`) for demonstrations,
+and a plausible wrong action (`noisy_action`) for noisy demonstrations. Environments know nothing about trainers.
 
 `ToolEnv` wraps a class written for TRL's `environment_factory` (a `reset(**row)` method, public typed tool methods
 with Google-style docstrings, optional `get_reward()`): tool calls in the assistant text are parsed, the methods are
@@ -74,8 +74,8 @@ def check_split(split: str) -> None:
 def split_of(text: str, eval_fraction: float = 0.2) -> str:
     """Deterministic split of a task by the text that defines it, so train and eval never share a task.
 
-    A stable hash (not Python's salted `hash`) of the defining text decides: about `eval_fraction` of all possible tasks
-    are eval tasks, the rest train tasks.
+    A stable hash (not Python's salted `hash`) of the defining text decides: about `eval_fraction` of all possible
+    tasks are eval tasks, the rest train tasks.
     >>> split_of("buy a red shirt") in ("train", "eval")
     True
     """

@@ -36,7 +36,7 @@ CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\\n' }}"
+    '{{- \'\\n</tools>\\nCall a tool with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\\n\' }}'
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' %}"
@@ -211,7 +211,9 @@ def sft(model, tokenizer, demos: list[list[dict]], spec: TinySpec, output_dir: s
         disable_tqdm=False,
     )
     trainer = SFTTrainer(
-        model=model, args=args, train_dataset=Dataset.from_list([{"messages": d} for d in demos]),
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list([{"messages": d} for d in demos]),
         processing_class=tokenizer,
     )
     trainer.train()
@@ -219,12 +221,14 @@ def sft(model, tokenizer, demos: list[list[dict]], spec: TinySpec, output_dir: s
 
 
 def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> str:
-    """Path of the folder holding the tiny default for `name` ("tiny:shop", "tiny-moe:search", ...), built if needed."""
+    """Folder of the tiny default for `name` ("tiny:shop", "tiny-moe:search", ...), built if not cached."""
     from envs import ENVIRONMENTS
 
     spec = TinySpec.parse(name, difficulty=difficulty, seed=seed, **overrides)
     if spec.env not in ENVIRONMENTS:
-        raise ValueError(f"model_name_or_path {name!r}: unknown environment {spec.env!r}; known: {sorted(ENVIRONMENTS)}")
+        raise ValueError(
+            f"model_name_or_path {name!r}: unknown environment {spec.env!r}; known: {sorted(ENVIRONMENTS)}"
+        )
     folder = cache_root() / "tiny" / f"{name.replace(':', '-')}-{spec.key()}"
     if (folder / "model.safetensors").exists():
         return str(folder)

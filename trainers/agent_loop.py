@@ -14,7 +14,8 @@ held-out tasks outside training. One turn of the loop:
    end-of-turn id in front of the observation (an environment token), so the stored sequence stays well formed.
 
 An episode ends when the environment says `done` (terminated), or when it runs out of turns or of completion tokens
-(`truncated`: a budget cut, which critic trainers bootstrap from). The outcome reward is the sum of the per-turn rewards.
+(`truncated`: a budget cut, which critic trainers bootstrap from). The outcome reward is the sum of the per-turn
+rewards.
 
 Returned per rollout (the data contract of DESIGN.md): `prompt_ids`, `completion_ids`, `logprobs`, `env_mask`,
 `turn_index`, `turn_rewards` (K), `state_keys` (K, the state before each turn), `transcript` (per turn: action,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,22 +96,25 @@ def observation_text(tokenizer, observation: str, role: str = "user") -> str:
     return full[anchor + len(sentinel) + len(eos) :]
 
 
-def _step_with_timeout(env: Env, action: str, timeout: float) -> tuple[str, float, bool, dict]:
-    """env.step in a daemon thread: an exception becomes an error observation, a hang a terminated episode."""
-    result: list = []
+def step_all(envs: Sequence[Env], actions: Sequence[str], timeout: float) -> list[tuple[str, float, bool, dict]]:
+    """Step every environment on its action in parallel daemon threads. An exception becomes an error observation;
+    a step still running after `timeout` seconds ends its episode (the thread is abandoned, never joined)."""
+    results: list = [None] * len(envs)
 
-    def target():
+    def target(j: int) -> None:
         try:
-            result.append(env.step(action))
+            results[j] = envs[j].step(actions[j])
         except Exception as e:  # an environment bug must not crash training
-            result.append((f"error: {type(e).__name__}: {e}", 0.0, False, {"env_error": True}))
+            results[j] = (f"error: {type(e).__name__}: {e}", 0.0, False, {"env_error": True})
 
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not result:
-        return f"error: environment step timed out after {timeout:g}s", 0.0, True, {"env_timeout": True}
-    return result[0]
+    threads = [threading.Thread(target=target, args=(j,), daemon=True) for j in range(len(envs))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    expired = (f"error: environment step timed out after {timeout:g}s", 0.0, True, {"env_timeout": True})
+    return [r if r is not None else expired for r in results]
 
 
 def play(
@@ -158,8 +163,10 @@ def play(
         budgets = [settings.max_completion_length - len(rollouts[i].completion_ids) for i in live]
         for i in live:
             rollouts[i].state_keys.append(envs[i].state_key())
-        outputs = generate([rollouts[i].prompt_ids + rollouts[i].completion_ids for i in live],
-                           min(settings.max_turn_tokens, max(budgets)))
+        outputs = generate(
+            [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in live],
+            min(settings.max_turn_tokens, max(budgets)),
+        )
         steps = []
         for i, budget, (ids, logps) in zip(live, budgets, outputs, strict=True):
             if eos_id in ids:
@@ -174,16 +181,7 @@ def play(
             closed = bool(ids) and ids[-1] == eos_id
             action = tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=False)
             steps.append((i, action, closed))
-        results = [None] * len(steps)
-
-        def run(j, i=None, action=None):
-            results[j] = _step_with_timeout(envs[i], action, settings.env_timeout)
-
-        threads = [threading.Thread(target=run, args=(j, i, a), daemon=True) for j, (i, a, _) in enumerate(steps)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = step_all([envs[i] for i, _, _ in steps], [a for _, a, _ in steps], settings.env_timeout)
         for (i, action, closed), (observation, reward, done, info) in zip(steps, results, strict=True):
             r = rollouts[i]
             r.turn_rewards.append(float(reward))
@@ -196,8 +194,9 @@ def play(
                 r.done, r.truncated = True, not done
                 bar.update(1)
                 continue
-            obs_ids = tokenizer(observation_text(tokenizer, observation, envs[i].observation_role),
-                                add_special_tokens=False)["input_ids"]
+            obs_ids = tokenizer(
+                observation_text(tokenizer, observation, envs[i].observation_role), add_special_tokens=False
+            )["input_ids"]
             if not closed:
                 obs_ids = [eos_id] + obs_ids
             if len(r.completion_ids) + len(obs_ids) >= settings.max_completion_length:
@@ -213,9 +212,18 @@ def play(
     return rollouts
 
 
-def hf_generate(model, tokenizer, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                min_p: float | None = None, repetition_penalty: float = 1.0, do_sample: bool = True,
-                eos_token_ids: list[int] | None = None, recorder: Any = None) -> GenerateFn:
+def hf_generate(
+    model,
+    tokenizer,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    do_sample: bool = True,
+    eos_token_ids: list[int] | None = None,
+    recorder: Any = None,
+) -> GenerateFn:
     """A `GenerateFn` over transformers' `generate`; log-probs are those of the processed (sampling) distribution.
 
     `recorder` (optional) is a routing recorder (see `trainers/routing_replay.py`) whose `record(...)` context wraps
@@ -231,15 +239,22 @@ def hf_generate(model, tokenizer, temperature: float = 1.0, top_p: float = 1.0, 
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=model.device)
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=model.device)
         config = GenerationConfig(
-            do_sample=do_sample, temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
-            top_k=top_k if do_sample else None, min_p=min_p, repetition_penalty=repetition_penalty,
-            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-            output_scores=True, return_dict_in_generate=True,
+            do_sample=do_sample,
+            temperature=temperature if do_sample else None,
+            top_p=top_p if do_sample else None,
+            top_k=top_k if do_sample else None,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            output_scores=True,
+            return_dict_in_generate=True,
         )
-        with torch.no_grad(), (recorder.record(mask) if recorder is not None else _nullcontext()):
+        with torch.no_grad(), recorder.record(mask) if recorder is not None else _nullcontext():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        new = out.sequences[:, width:]                                          # (N, t)
-        scores = torch.stack(out.scores, dim=1).float()                         # (N, t, V)
+        new = out.sequences[:, width:]  # (N, t)
+        scores = torch.stack(out.scores, dim=1).float()  # (N, t, V)
         logps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (N, t)
         results = []
         for row_ids, row_logps in zip(new.tolist(), logps.tolist(), strict=True):
@@ -269,8 +284,10 @@ def vllm_generate(trainer) -> GenerateFn:
         _, completion_ids, logprobs, _ = trainer.vllm_generation.generate(
             prompts=contexts, images=None, num_generations=1
         )
-        return [(ids[:max_new_tokens], [lp[0] for lp in lps][:max_new_tokens])
-                for ids, lps in zip(completion_ids, logprobs, strict=True)]
+        return [
+            (ids[:max_new_tokens], [lp[0] for lp in lps][:max_new_tokens])
+            for ids, lps in zip(completion_ids, logprobs, strict=True)
+        ]
 
     return generate
 
@@ -310,16 +327,31 @@ def rollout_func(prompts: list, trainer) -> dict[str, list]:
         return to_trl(play(vllm_generate(trainer), trainer.processing_class, envs, tasks, prompts, settings, sync))
     with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
         generate = hf_generate(
-            model, trainer.processing_class, temperature=trainer.temperature, top_p=trainer.top_p,
-            top_k=trainer.top_k, min_p=trainer.min_p, repetition_penalty=trainer.repetition_penalty,
-            eos_token_ids=trainer.eos_token_ids, recorder=trainer.routing_recorder,
+            model,
+            trainer.processing_class,
+            temperature=trainer.temperature,
+            top_p=trainer.top_p,
+            top_k=trainer.top_k,
+            min_p=trainer.min_p,
+            repetition_penalty=trainer.repetition_penalty,
+            eos_token_ids=trainer.eos_token_ids,
+            recorder=trainer.routing_recorder,
         )
         return to_trl(play(generate, trainer.processing_class, envs, tasks, prompts, settings, sync))
 
 
-def evaluate(model, tokenizer, env_cls: type[Env] | Callable[[], Env], tasks: list[dict],
-             settings: LoopSettings | None = None, temperature: float = 1.0, greedy: bool = False,
-             batch_size: int = 64, samples: int = 1, progress: bool = True) -> dict[str, float]:
+def evaluate(
+    model,
+    tokenizer,
+    env_cls: type[Env] | Callable[[], Env],
+    tasks: list[dict],
+    settings: LoopSettings | None = None,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    batch_size: int = 64,
+    samples: int = 1,
+    progress: bool = True,
+) -> dict[str, float]:
     """Held-out success and reward: `samples` episodes per task (pass^k counts tasks solved in all of them)."""
     was_training = model.training
     model.eval()

@@ -1,4 +1,4 @@
-"""AgentGRPOTrainer: TRL's GRPOTrainer with multi-turn environments and two hooks. The ONLY file touching TRL internals.
+"""AgentGRPOTrainer: GRPOTrainer with multi-turn environments and two hooks. Only this file touches TRL internals.
 
 What it adds to `trl.GRPOTrainer` (TRL 1.16.0):
 
@@ -93,8 +93,8 @@ def turns_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 class AgentGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer for multi-turn agents; see the module docstring. `env_factory(row) -> Env` builds the environment of a
-    dataset row (whose `task` column holds the task); without it the trainer is stock GRPO (single turn)."""
+    """GRPOTrainer for multi-turn agents; see the module docstring. `env_factory(row) -> Env` builds the environment of
+    a dataset row (whose `task` column holds the task); without it the trainer is stock GRPO (single turn)."""
 
     def __init__(
         self,
@@ -118,8 +118,13 @@ class AgentGRPOTrainer(GRPOTrainer):
         self.routing_recorder = None
         self._rows: list[dict] = []
         super().__init__(
-            model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, processing_class=processing_class, **kwargs,
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
         )
         self.loop_settings = agent_loop.LoopSettings(
             max_turn_tokens=self.args.max_turn_tokens,
@@ -155,7 +160,11 @@ class AgentGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         return self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=compute_entropy,
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            compute_entropy=compute_entropy,
             compute_aux_loss=self.aux_loss_enabled,
         )
 
@@ -184,8 +193,10 @@ class AgentGRPOTrainer(GRPOTrainer):
         batch = self._rollout_batch(inputs, out)
         advantages = self.compute_advantages(batch)
         if advantages.shape != batch.completion_ids.shape:
-            raise RuntimeError(f"compute_advantages returned {tuple(advantages.shape)}, expected (B, T) = "
-                               f"{tuple(batch.completion_ids.shape)}")
+            raise RuntimeError(
+                f"compute_advantages returned {tuple(advantages.shape)}, expected (B, T) = "
+                f"{tuple(batch.completion_ids.shape)}"
+            )
         out["advantages"] = (advantages * batch.mask).to(out["advantages"].dtype)  # 0 on environment tokens
         out["turn_index"] = batch.turn_index
         self._log_env_metrics(batch)
@@ -245,8 +256,9 @@ class AgentGRPOTrainer(GRPOTrainer):
     def _log_env_metrics(self, batch: RolloutBatch) -> None:
         if self.env_factory is None:
             return
-        rows = gather_object([(r["success"], len(r["turn_rewards"]), r["truncated"], r["env_errors"])
-                              for r in batch.rows])
+        rows = gather_object(
+            [(r["success"], len(r["turn_rewards"]), r["truncated"], r["env_errors"]) for r in batch.rows]
+        )
         n = max(1, len(rows))
         self.log_metric("env/success", sum(r[0] for r in rows) / n)
         self.log_metric("env/turns", sum(r[1] for r in rows) / n)

@@ -1,0 +1,291 @@
+"""Ratios, surrogates, value losses and aggregators: pure tensor functions (tensors and plain numbers in, tensors out).
+
+Conventions (DESIGN.md): B rows, T completion tokens, K turns; `mask` (B, T) is 1 on model tokens and 0 on environment
+tokens and padding; `turn_index` (B, T) is k on the model tokens of turn k and -1 elsewhere. Per-token losses are
+returned as (B, T) tensors that are exactly 0 off the mask (C6), and environment tokens receive exactly zero gradient;
+aggregate them with `masked_token_mean`. Inputs off the mask may hold anything finite or not (padding log-probs, NaN
+advantages): they are replaced by 0 before any arithmetic, so they never leak NaN into values or gradients.
+
+Arithmetic runs in float64 and the result is cast back to the dtype of the main input (CLARIFICATIONS.md C2); the
+casts are differentiable.
+
+Sources: T1, https://huggingface.co/papers/2609.11042 (`t1.md`: token ratio, clipped actor and critic losses); MPO,
+no arXiv id yet (`mpo.md`: turn-level ratio with stop-gradient, dual clip).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+
+def _masked64(x: Tensor, mask: Tensor) -> Tensor:
+    """x in float64 with 0 off the mask (keeps the graph; masked entries get exactly zero gradient)."""
+    return torch.where(mask.bool(), x.to(torch.float64), 0.0)
+
+
+def masked_token_mean(per_token: Tensor, mask: Tensor, num_tokens: float | Tensor | None = None) -> Tensor:
+    """Token-mean aggregation L = Σ_{b,t} m_{b,t} x_{b,t} / N_tok (mpo.md Eq. 16, t1.md Eq. 11-12; TRL `"dapo"`).
+
+    N_tok defaults to Σ m of this batch. Pass the number of loss tokens of the whole optimizer step (all gradient
+    accumulation micro-batches on all ranks, divided by the number of ranks when gradients are averaged over ranks, as
+    TRL does with `num_items_in_batch`) to make accumulated micro-batches equal one big batch. N_tok is clamped to at
+    least 1, so an all-masked batch gives 0, not NaN (C6).
+
+    Args:
+        per_token (`Tensor`): (B, T) per-token values.
+        mask (`Tensor`): (B, T) loss mask.
+        num_tokens (`float` or `Tensor`, *optional*): N_tok; defaults to Σ mask.
+
+    Returns:
+        `Tensor`: 0-d, in the dtype of `per_token`.
+
+    >>> masked_token_mean(torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 0.0]]), torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    tensor(2.)
+    """
+    total = _masked64(per_token, mask).sum()
+    n = mask.bool().sum() if num_tokens is None else num_tokens
+    n = torch.as_tensor(n, dtype=torch.float64, device=per_token.device).clamp(min=1.0)
+    return (total / n).to(per_token.dtype)
+
+
+def clipped_surrogate(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float,
+    eps_high: float,
+    c_dual: float | None = None,
+) -> Tensor:
+    """Per-token PPO clipped surrogate for a given ratio, with an optional dual clip (mpo.md Eq. 16, t1.md Eq. 11).
+
+        L = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A);     dual clip, for A < 0: L <- min(L, -c_dual * A)
+
+    The dual clip caps the loss at c_dual * |A|, so a token with A < 0 and rho > c_dual gets zero gradient.
+
+    Args:
+        ratio (`Tensor`): (B, T) importance ratio rho (token ratio, or `turn_importance_ratio`).
+        advantages (`Tensor`): (B, T) A (no gradient is taken through it).
+        mask (`Tensor`): (B, T) loss mask.
+        eps_low (`float`): lower clip range.
+        eps_high (`float`): upper clip range.
+        c_dual (`float`, *optional*): dual-clip constant (3.0 in MPO); None disables it.
+
+    Returns:
+        `Tensor`: (B, T) per-token loss, 0 off the mask, in the dtype of `ratio`.
+    """
+    rho = _masked64(ratio, mask)  # (B, T)
+    adv = _masked64(advantages.detach(), mask)  # (B, T)
+    loss = torch.maximum(-adv * rho, -adv * rho.clamp(1.0 - eps_low, 1.0 + eps_high))  # Eq. 16 / t1.md Eq. 11
+    if c_dual is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -c_dual * adv), loss)  # Eq. 16, dual clip
+    return torch.where(mask.bool(), loss, 0.0).to(ratio.dtype)
+
+
+def clipped_surrogate_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float,
+    eps_high: float,
+    c_dual: float | None = None,
+) -> Tensor:
+    """Per-token PPO loss with the token ratio rho_j = exp(log pi_theta - log pi_old) (t1.md Eq. 10-11,
+    https://huggingface.co/papers/2609.11042): L_j = -min(rho_j A_j, clip(rho_j, 1 - eps_low, 1 + eps_high) A_j).
+
+    Args:
+        logps (`Tensor`): (B, T) log pi_theta of the sampled tokens (differentiable).
+        old_logps (`Tensor`): (B, T) log pi_old (treated as constant).
+        advantages (`Tensor`): (B, T) A.
+        mask (`Tensor`): (B, T) loss mask.
+        eps_low (`float`): lower clip range (0.2 in T1).
+        eps_high (`float`): upper clip range (0.2 in T1).
+        c_dual (`float`, *optional*): dual clip, see `clipped_surrogate`.
+
+    Returns:
+        `Tensor`: (B, T) per-token loss, 0 off the mask, in the dtype of `logps`.
+    """
+    log_ratio = _masked64(logps, mask) - _masked64(old_logps.detach(), mask)  # (B, T), 0 off the mask
+    ratio = torch.exp(log_ratio)  # t1.md Eq. 10
+    return clipped_surrogate(ratio, advantages, mask, eps_low, eps_high, c_dual).to(logps.dtype)  # t1.md Eq. 11
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float) -> Tensor:
+    """Per-token clipped value loss (mpo.md Eq. 18, t1.md Eq. 12, https://huggingface.co/papers/2609.11042).
+
+        L_V = max((V - R)^2, (V_clip - R)^2),     V_clip = V_old + clip(V - V_old, -clip, +clip)
+
+    `clip` is absolute, in reward units. When |V - V_old| > clip and the clipped branch has the larger error, the
+    gradient w.r.t. V is zero. There is no 1/2 factor; weight the aggregate with the trainer's value coefficient.
+
+    Args:
+        values (`Tensor`): (B, T) V_phi (differentiable).
+        old_values (`Tensor`): (B, T) V_old, the values the advantages were built from (constant).
+        returns (`Tensor`): (B, T) critic targets R (constant).
+        mask (`Tensor`): (B, T) loss mask.
+        clip (`float`): value clip epsilon_v (0.2).
+
+    Returns:
+        `Tensor`: (B, T) per-token loss, 0 off the mask, in the dtype of `values`.
+    """
+    v = _masked64(values, mask)  # (B, T)
+    v_old = _masked64(old_values.detach(), mask)  # (B, T)
+    ret = _masked64(returns.detach(), mask)  # (B, T)
+    v_clip = v_old + (v - v_old).clamp(-clip, clip)  # Eq. 18
+    loss = torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2)  # Eq. 18 / t1.md Eq. 12
+    return torch.where(mask.bool(), loss, 0.0).to(values.dtype)
+
+
+def _turn_log_ratio64(
+    logps: Tensor, old_logps: Tensor, turn_index: Tensor, mask: Tensor, num_turns: int, mode: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(Lambda (B, K + 1) with a zero dump column, token log-ratio l (B, T), turn tokens (B, T), slot (B, T))."""
+    if mode not in ("product", "geomean"):
+        raise ValueError(f"mode must be 'product' or 'geomean', got {mode!r}")
+    B = logps.shape[0]
+    tok = mask.bool() & (turn_index >= 0)  # (B, T)
+    idx = torch.where(tok, turn_index.long(), torch.full_like(turn_index, num_turns, dtype=torch.long))  # (B, T)
+    ell = _masked64(logps, tok) - _masked64(old_logps.detach(), tok)  # (B, T) Eq. 13, 0 off the turn tokens
+    lam = torch.zeros(B, num_turns + 1, dtype=torch.float64, device=logps.device).scatter_add(1, idx, ell)  # Eq. 14
+    if mode == "geomean":
+        n = torch.zeros(B, num_turns + 1, dtype=torch.float64, device=logps.device).scatter_add(1, idx, tok.double())
+        lam = lam / n.clamp(min=1.0)  # Eq. 14, geomean
+    lam = torch.cat([lam[:, :num_turns], lam.new_zeros(B, 1)], dim=1)  # the dump column holds 0
+    return lam, ell, tok, idx
+
+
+def turn_log_ratio(
+    logps: Tensor,
+    old_logps: Tensor,
+    turn_index: Tensor,
+    mask: Tensor,
+    num_turns: int | None = None,
+    mode: Literal["product", "geomean"] = "product",
+) -> Tensor:
+    """Turn log-ratio Lambda_k (mpo.md Eq. 13-14), before the clamp; differentiable.
+
+        l_{k,i} = log pi_theta(y_{k,i}) - log pi_old(y_{k,i}),
+        Lambda_k = Σ_i l_{k,i} ("product")   or   Lambda_k = mean_i l_{k,i} ("geomean").
+
+    Args:
+        logps (`Tensor`): (B, T) log pi_theta of the sampled tokens.
+        old_logps (`Tensor`): (B, T) log pi_old.
+        turn_index (`Tensor`): (B, T) turn of each model token, -1 elsewhere.
+        mask (`Tensor`): (B, T) loss mask.
+        num_turns (`int`, *optional*): K; defaults to max(turn_index) + 1.
+        mode (`str`, *optional*, defaults to `"product"`): `"product"` or `"geomean"`.
+
+    Returns:
+        `Tensor`: (B, K) Lambda, 0 for turns without a model token, in the dtype of `logps`.
+    """
+    K = num_turns if num_turns is not None else (int(turn_index.max().item()) + 1 if turn_index.numel() else 0)
+    lam, _, _, _ = _turn_log_ratio64(logps, old_logps, turn_index, mask, K, mode)
+    return lam[:, :K].to(logps.dtype)
+
+
+def turn_importance_ratio(
+    logps: Tensor,
+    old_logps: Tensor,
+    turn_index: Tensor,
+    mask: Tensor,
+    clamp: float = 20.0,
+    mode: Literal["product", "geomean"] = "product",
+) -> Tensor:
+    """Complete-turn importance ratio with stop-gradient (mpo.md Eq. 13-15; MPO has no arXiv id yet).
+
+        rho_{k,i} = exp( sg[Lambda^_k - l_{k,i}] + l_{k,i} ),     Lambda^_k = clamp(Lambda_k, -clamp, +clamp)
+
+    Value: exp(Lambda^_k) on every token of turn k (the turn's sequence ratio in "product" mode). Gradient:
+    d rho_{k,i} / d l_{k,j} = rho_{k,i} if j = i and 0 otherwise (also across turns), so token i's advantage moves
+    only token i's log-probability. Tokens outside any turn get rho = 1 and no gradient.
+
+    Args:
+        logps (`Tensor`): (B, T) log pi_theta of the sampled tokens (differentiable).
+        old_logps (`Tensor`): (B, T) log pi_old (constant).
+        turn_index (`Tensor`): (B, T) turn of each model token, -1 elsewhere.
+        mask (`Tensor`): (B, T) loss mask.
+        clamp (`float`, *optional*, defaults to `20.0`): c_Lambda, the clamp on the turn log-ratio.
+        mode (`str`, *optional*, defaults to `"product"`): `"product"` or `"geomean"` (Eq. 14).
+
+    Returns:
+        `Tensor`: (B, T) rho, in the dtype of `logps`.
+    """
+    K = int(turn_index.max().item()) + 1 if turn_index.numel() else 0
+    lam, ell, tok, idx = _turn_log_ratio64(logps, old_logps, turn_index, mask, max(K, 0), mode)
+    lam_hat = lam.clamp(-clamp, clamp).gather(1, idx)  # (B, T) Eq. 14, clamp; 0 off the turn tokens
+    rho = torch.exp((lam_hat - ell).detach() + ell)  # Eq. 15
+    return rho.to(logps.dtype)
+
+
+def mpo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    turn_index: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    c_dual: float = 3.0,
+    clamp: float = 20.0,
+    mode: Literal["product", "geomean"] = "product",
+) -> Tensor:
+    """Per-token MPO actor loss: turn-level ratio (Eq. 15) in the PPO clip with a dual clip (mpo.md Eq. 16).
+
+        L_{k,i} = -min(rho_{k,i} A~_{k,i}, clip(rho_{k,i}, 1 - eps_low, 1 + eps_high) A~_{k,i});
+        for A~ < 0: L <- min(L, -c_dual * A~).
+
+    Every token of a turn shares the turn's ratio, so clip decisions depend only on (rho_k, sign A~_{k,i}). Aggregate
+    with `masked_token_mean` over the global token count (Eq. 16, `loss_type="dapo"`).
+
+    Args:
+        logps (`Tensor`): (B, T) log pi_theta (differentiable).
+        old_logps (`Tensor`): (B, T) log pi_old.
+        advantages (`Tensor`): (B, T) A~ (e.g. `mpo_advantages(...).advantages`).
+        turn_index (`Tensor`): (B, T) turn of each model token, -1 elsewhere.
+        mask (`Tensor`): (B, T) loss mask.
+        eps_low (`float`, *optional*, defaults to `0.2`): lower clip range.
+        eps_high (`float`, *optional*, defaults to `0.2`): upper clip range.
+        c_dual (`float`, *optional*, defaults to `3.0`): dual-clip constant.
+        clamp (`float`, *optional*, defaults to `20.0`): c_Lambda.
+        mode (`str`, *optional*, defaults to `"product"`): turn ratio mode.
+
+    Returns:
+        `Tensor`: (B, T) per-token loss, 0 off the mask, in the dtype of `logps`.
+    """
+    ratio = turn_importance_ratio(logps, old_logps, turn_index, mask, clamp, mode)  # Eq. 15
+    return clipped_surrogate(ratio, advantages, mask, eps_low, eps_high, c_dual)  # Eq. 16
+
+
+@torch.no_grad()
+def clip_fractions(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float,
+    eps_high: float,
+    c_dual: float | None = None,
+) -> dict[str, Tensor]:
+    """Fractions of loss tokens on which a clip is active (for `actor/clip_frac`, `mpo/token_clip_frac`,
+    `mpo/dual_clip_frac`): `clip_frac` counts tokens whose clipped branch binds (A > 0 and rho > 1 + eps_high, or A < 0
+    and rho < 1 - eps_low); `dual_clip_frac` counts tokens with A < 0 and rho > c_dual (0 without a dual clip).
+
+    Args:
+        ratio (`Tensor`): (B, T) rho.
+        advantages (`Tensor`): (B, T) A.
+        mask (`Tensor`): (B, T) loss mask.
+        eps_low (`float`): lower clip range.
+        eps_high (`float`): upper clip range.
+        c_dual (`float`, *optional*): dual-clip constant.
+
+    Returns:
+        `dict[str, Tensor]`: 0-d float64 tensors `clip_frac` and `dual_clip_frac` (0 when there is no loss token).
+    """
+    m = mask.bool()
+    rho, adv = _masked64(ratio, m), _masked64(advantages, m)
+    clipped = ((adv > 0) & (rho > 1.0 + eps_high)) | ((adv < 0) & (rho < 1.0 - eps_low))
+    dual = (adv < 0) & (rho > c_dual) if c_dual is not None else torch.zeros_like(m)
+    n = m.sum().double().clamp(min=1.0)
+    return {"clip_frac": (clipped & m).sum() / n, "dual_clip_frac": (dual & m).sum() / n}
