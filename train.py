@@ -35,7 +35,9 @@ from trainers.reporting import plot_curves, write_summary  # noqa: E402
 @dataclass
 class RunArguments:
     trainer: str = field(default="grpo", metadata={"help": f"Training method: one of {sorted(TRAINERS)}."})
-    env: str = field(default="shop", metadata={"help": f"Built-in environment: one of {sorted(ENVIRONMENTS)}."})
+    environment: str = field(
+        default="shop", metadata={"help": f"Built-in environment: one of {sorted(ENVIRONMENTS)}."}
+    )
     difficulty: int = field(default=0, metadata={"help": "Environment difficulty level (0 = learnable by tiny)."})
     num_train_tasks: int = field(default=2000, metadata={"help": "Training tasks generated from the train split."})
     num_eval_tasks: int = field(default=200, metadata={"help": "Held-out tasks (eval split) for before/after eval."})
@@ -77,8 +79,8 @@ def parse(argv: list[str] | None = None):
         raise SystemExit(f"error: trainer {probe.trainer!r} is unknown; choose one of {sorted(TRAINERS)}")
     trainer_cls, config_cls = TRAINERS[probe.trainer]
     run, config, model_args = TrlParser((RunArguments, config_cls, ModelConfig)).parse_args_and_config(argv)
-    if run.env not in ENVIRONMENTS:
-        raise SystemExit(f"error: env {run.env!r} is unknown; choose one of {sorted(ENVIRONMENTS)}")
+    if run.environment not in ENVIRONMENTS:
+        raise SystemExit(f"error: environment {run.environment!r} is unknown; choose one of {sorted(ENVIRONMENTS)}")
     return run, config, model_args, trainer_cls
 
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         **({"device_map": "cpu"} if quantization and config.use_cpu else {}),
     }
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left")
-    env_cls = ENVIRONMENTS[run.env]
+    env_cls = ENVIRONMENTS[run.environment]
     train_ds = make_dataset(env_cls, "train", run.num_train_tasks, run.task_seed, run.difficulty)
     eval_tasks = env_cls.make_tasks("eval", run.num_eval_tasks, seed=run.task_seed, difficulty=run.difficulty)
     summary = {"run": asdict(run), "model": name, "trainer": run.trainer}

@@ -55,6 +55,7 @@ class LoopSettings:
 class Rollout:
     prompt_ids: list[int]
     completion_ids: list[int] = field(default_factory=list)
+    sampled_ids: list[int] = field(default_factory=list)  # every id the sampler emitted, in order (TITO audit)
     logprobs: list[float] = field(default_factory=list)
     env_mask: list[int] = field(default_factory=list)
     turn_index: list[int] = field(default_factory=list)
@@ -175,6 +176,7 @@ def play(
             ids, logps = ids[: min(budget, settings.max_turn_tokens)], logps[: min(budget, settings.max_turn_tokens)]
             r = rollouts[i]
             r.completion_ids += ids
+            r.sampled_ids += ids
             r.logprobs += [float(x) for x in logps]
             r.env_mask += [1] * len(ids)
             r.turn_index += [k] * len(ids)
@@ -299,6 +301,7 @@ def to_trl(rollouts: list[Rollout]) -> dict[str, list]:
         "completion_ids": [r.completion_ids for r in rollouts],
         "logprobs": [r.logprobs for r in rollouts],
         "env_mask": [r.env_mask for r in rollouts],
+        "sampled_ids": [r.sampled_ids for r in rollouts],
         "turn_index": [r.turn_index for r in rollouts],
         "turn_rewards": [r.turn_rewards for r in rollouts],
         "state_keys": [r.state_keys for r in rollouts],

@@ -74,6 +74,9 @@ class RolloutBatch:
     state_keys: list  # (B, K) environment state before each turn
     transcripts: list  # (B,) per turn: action, observation, reward
     rows: list  # (B,) the dataset rows with the rollout's extra fields merged in
+    prompt_ids: torch.Tensor | None = None  # (B, P) left-padded
+    prompt_mask: torch.Tensor | None = None  # (B, P)
+    extras: dict = field(default_factory=dict)  # batch-first tensors a hook adds; they reach the loss inputs
 
     @property
     def mask(self) -> torch.Tensor:
@@ -199,6 +202,10 @@ class AgentGRPOTrainer(GRPOTrainer):
             )
         out["advantages"] = (advantages * batch.mask).to(out["advantages"].dtype)  # 0 on environment tokens
         out["turn_index"] = batch.turn_index
+        for key, value in batch.extras.items():
+            if not (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == len(inputs)):
+                raise RuntimeError(f"batch.extras[{key!r}] must be a batch-first tensor with {len(inputs)} rows")
+            out[key] = value
         self._log_env_metrics(batch)
         return out
 
@@ -251,6 +258,8 @@ class AgentGRPOTrainer(GRPOTrainer):
             state_keys=[row.get("state_keys", []) for row in inputs],
             transcripts=[row.get("transcript", []) for row in inputs],
             rows=inputs,
+            prompt_ids=out["prompt_ids"],
+            prompt_mask=out["prompt_mask"],
         )
 
     def _log_env_metrics(self, batch: RolloutBatch) -> None:
