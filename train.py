@@ -87,6 +87,9 @@ def parse(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> dict:
     run, config, model_args, trainer_cls = parse(argv)
     start = time.time()
+    env_cls = ENVIRONMENTS[run.environment]
+    train_ds = make_dataset(env_cls, "train", run.num_train_tasks, run.task_seed, run.difficulty)  # validates first
+    eval_tasks = env_cls.make_tasks("eval", run.num_eval_tasks, seed=run.task_seed, difficulty=run.difficulty)
     name = model_args.model_name_or_path
     if is_tiny(name):  # the embedded default: built offline once, then read from the cache
         model_args.model_name_or_path = tiny_model(name, difficulty=run.difficulty, seed=config.seed)
@@ -96,9 +99,6 @@ def main(argv: list[str] | None = None) -> dict:
         **({"device_map": "cpu"} if quantization and config.use_cpu else {}),
     }
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left")
-    env_cls = ENVIRONMENTS[run.environment]
-    train_ds = make_dataset(env_cls, "train", run.num_train_tasks, run.task_seed, run.difficulty)
-    eval_tasks = env_cls.make_tasks("eval", run.num_eval_tasks, seed=run.task_seed, difficulty=run.difficulty)
     summary = {"run": asdict(run), "model": name, "trainer": run.trainer}
     if not run.skip_eval:
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32)
@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> dict:
         summary["after"] = held_out(model, tokenizer, env_cls, run, config, eval_tasks)
         print(f"held-out success after RL: {json.dumps(summary['after'])}")
     summary["wall_seconds"] = round(time.time() - start, 1)
+    # new rollouts per optimizer step: one generation batch feeds num_iterations x (steps_per_generation / GA) steps
+    updates_per_generation = config.num_iterations * config.steps_per_generation // config.gradient_accumulation_steps
+    summary["rollouts_per_step"] = config.generation_batch_size / max(1, updates_per_generation)  # global batch
     summary["log_history"] = trainer.state.log_history
     if trainer.accelerator.is_main_process:
         write_summary(os.path.join(config.output_dir, "summary.json"), summary)

@@ -1,0 +1,54 @@
+"""train.py start-up: a bad config stops at once with a message naming the field."""
+
+import pytest
+
+import train
+
+GOOD = "trainer: grpo\nenvironment: shop\nmodel_name_or_path: tiny:shop\noutput_dir: {out}\nuse_cpu: true\n"
+
+
+def config(tmp_path, extra: str = "", base: str = GOOD) -> list[str]:
+    path = tmp_path / "run.yaml"
+    path.write_text(base.format(out=tmp_path / "out") + extra)
+    return ["--config", str(path)]
+
+
+def test_good_config_parses(tmp_path):
+    run, cfg, model_args, trainer_cls = train.parse(config(tmp_path, "learning_rate: 0.001\nmax_turn_tokens: 16\n"))
+    assert (run.environment, cfg.learning_rate, cfg.max_turn_tokens) == ("shop", 0.001, 16)
+    assert model_args.model_name_or_path == "tiny:shop" and trainer_cls.__name__ == "AgentGRPOTrainer"
+
+
+def test_command_line_overrides_the_yaml(tmp_path):
+    run, cfg, _, _ = train.parse(config(tmp_path, "learning_rate: 0.001\n") + ["--learning_rate", "0.01"])
+    assert cfg.learning_rate == 0.01
+
+
+def test_unknown_field_is_named(tmp_path):
+    with pytest.raises(ValueError, match="learnin_rate"):
+        train.parse(config(tmp_path, "learnin_rate: 0.1\n"))
+
+
+def test_bad_value_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.parse(config(tmp_path, "learning_rate: abc\n"))
+    assert "learning_rate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "base", "needle"),
+    [
+        ("", GOOD.replace("trainer: grpo", "trainer: grpoo"), "trainer 'grpoo'"),
+        ("", GOOD.replace("environment: shop", "environment: shoop"), "environment 'shoop'"),
+        ("max_turn_tokens: 0\n", GOOD, "max_turn_tokens"),
+    ],
+)
+def test_semantic_errors_are_named(tmp_path, extra, base, needle):
+    with pytest.raises((SystemExit, ValueError), match=needle):
+        train.parse(config(tmp_path, extra, base))
+
+
+def test_bad_difficulty_fails_before_any_model_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before validating the tasks"))
+    with pytest.raises(ValueError, match="difficulty"):
+        train.main(config(tmp_path, "difficulty: 9\n"))
