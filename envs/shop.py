@@ -1,7 +1,7 @@
 """Shop: a WebShop-like e-commerce environment, entirely in-process, seeded and offline.
 
 The agent reads an instruction ("i need a red cotton shirt, size m, under 40 dollars"), searches a small catalogue
-generated for the task, opens an item, chooses its options and buys it. Item ids ("B7K2"), prices, decoys and the
+generated for the task, opens an item, chooses its options and buys it. Item ids (a word such as "otter" at level 0, a code such as "B7K2" above), prices, decoys and the
 options on offer are drawn per task from the task's `catalogue_seed`, so held-out tasks test a skill rather than a
 memorised catalogue. Train and eval tasks are split by their instruction text (`envs.base.split_of`), so the two
 splits never share an instruction.
@@ -67,6 +67,14 @@ COLOURS = ("red", "blue", "green", "black", "white", "grey", "pink", "yellow", "
 SIZES = ("xs", "s", "m", "l", "xl")
 PRICE_BOUNDS = (20, 30, 40, 50, 60, 70, 80)
 ID_CHARS = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no 0/O or 1/I look-alikes
+# Level-0 item ids are single words, so copying one is copying one token (a tiny model learns that in minutes; a
+# 4-character code is several tokens and was not learned by the tiny default in 300 SFT steps).
+ID_WORDS = (
+    "fox owl elk yak emu cod eel ant bee ram ape bat boa doe gnu hog jay koi lynx mole newt orca puma seal swan toad "
+    "vole wasp wren crab dove frog goat hare ibis kiwi lark mink moth mule pike quail rook slug tern wolf zebu bison "
+    "camel dingo eagle finch gecko heron hyena koala lemur llama moose otter panda raven robin shark sloth squid stork "
+    "tapir trout viper whale"
+).split()
 
 N_ITEMS = {0: 8, 1: 12, 2: 16}  # catalogue size per difficulty
 N_SHOWN = {0: 3, 1: 4, 2: 6}  # results listed per search
@@ -143,7 +151,7 @@ def _build_catalogue(task: dict) -> list[dict]:
 
     ids: list[str] = []
     while len(ids) < len(items):
-        new = "".join(rng.choice(ID_CHARS) for _ in range(4))
+        new = rng.choice(ID_WORDS) if level == 0 else "".join(rng.choice(ID_CHARS) for _ in range(4))
         if new not in ids:
             ids.append(new)
     for it, id_ in zip(items, ids, strict=True):
@@ -310,7 +318,7 @@ class ShopEnv(Env):
     def _click(self, item_id: str) -> tuple[str, float, bool, dict]:
         if self.page != "results":
             return self._error("click needs search results")
-        item = next((it for it in self.results if it["id"] == item_id), None)
+        item = next((it for it in self.results if it["id"].upper() == item_id.upper()), None)
         if item is None:
             return self._error("no such item in the results")
         self.page, self.item, self.chosen = "item", item, {}

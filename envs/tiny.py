@@ -83,7 +83,7 @@ class TinySpec:
     sft_batch_size: int = 32
     sft_lr: float = 3e-3
     seed: int = 0
-    version: int = 1  # bump when the build recipe changes
+    version: int = 2  # bump when the build recipe or an environment's text changes
 
     @classmethod
     def parse(cls, name: str, **overrides) -> TinySpec:
@@ -234,8 +234,8 @@ def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> st
         return str(folder)
     env_cls = ENVIRONMENTS[spec.env]
     demos = demonstrations(env_cls, spec.num_demos, spec.seed, spec.difficulty, spec.noise)
-    # The tokenizer also sees clean expert text of eval-style tasks' vocabulary through the train demos only.
-    texts = [CHAT_TEMPLATE] + ["user assistant system tool"] + [m["content"] for d in demos for m in d]
+    # the role words are repeated so that each becomes one token (short sequences are fast sequences)
+    texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
     tokenizer = build_tokenizer(texts, spec.vocab_size)
     model = build_model(spec, tokenizer)
     folder.parent.mkdir(parents=True, exist_ok=True)

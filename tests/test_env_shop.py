@@ -17,7 +17,7 @@ EXPERT_TURNS = {0: 4, 1: 4, 2: 5}
 
 
 def listed_ids(observation: str) -> list[str]:
-    return re.findall(r"\[([A-Z0-9]{4})\]", observation)
+    return re.findall(r"\[([A-Za-z0-9]+)\]", observation)
 
 
 def play(task: dict, policy: str = "expert", seed: int = 0, p_noise: float = 0.3) -> list[tuple]:

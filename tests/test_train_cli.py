@@ -1,5 +1,7 @@
 """train.py start-up: a bad config stops at once with a message naming the field."""
 
+from pathlib import Path
+
 import pytest
 
 import train
@@ -52,3 +54,9 @@ def test_bad_difficulty_fails_before_any_model_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before validating the tasks"))
     with pytest.raises(ValueError, match="difficulty"):
         train.main(config(tmp_path, "difficulty: 9\n"))
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in Path("configs").glob("*.yaml")))
+def test_every_shipped_config_parses(path):
+    run, cfg, model_args, trainer_cls = train.parse(["--config", path])
+    assert run.trainer in train.TRAINERS and model_args.model_name_or_path
