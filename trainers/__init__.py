@@ -4,9 +4,15 @@
 """
 
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer
+from trainers.draco import DRACOConfig, DRACOTrainer
+from trainers.mpo import MPOConfig, MPOTrainer
+from trainers.ppo import AgentPPOTrainer, PPOConfig
 
 TRAINERS: dict[str, tuple[type, type]] = {
     "grpo": (AgentGRPOTrainer, AgentGRPOConfig),
+    "draco": (DRACOTrainer, DRACOConfig),
+    "ppo": (AgentPPOTrainer, PPOConfig),
+    "mpo": (MPOTrainer, MPOConfig),
 }
 
 __all__ = ["TRAINERS", "AgentGRPOConfig", "AgentGRPOTrainer"]

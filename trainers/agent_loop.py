@@ -20,6 +20,10 @@ rewards.
 Returned per rollout (the data contract of DESIGN.md): `prompt_ids`, `completion_ids`, `logprobs`, `env_mask`,
 `turn_index`, `turn_rewards` (K), `state_keys` (K, the state before each turn), `transcript` (per turn: action,
 observation, reward), `env_reward`, `success`, `truncated`, `final_info`.
+
+MoE routing replay (R3, `specs/routing-replay.md`): a generation backend may also return, per context, the route
+record of that call (`hf_generate(..., record_routes=True)`); `play` then keeps one record per rollout, stitched over
+turns by the first-computation rule (D5), of N_b - 1 rows for its N_b = prompt + completion tokens (`Rollout.routes`).
 """
 
 from __future__ import annotations
@@ -30,15 +34,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from envs.base import Env
 
-# A generation backend: (contexts, max_new_tokens) -> one (sampled ids, sampling log-probs) pair per context.
-GenerateFn = Callable[[list[list[int]], int], list[tuple[list[int], list[float]]]]
+# A generation backend: (contexts, max_new_tokens) -> one (sampled ids, sampling log-probs) pair per context, or one
+# (sampled ids, sampling log-probs, routes) triple when it records MoE routes: routes (len(context) + len(ids) - 1,
+# L, k) int16, the top-k expert ids of every position the call fed to the model (routing-replay.md Eq. 2).
+GenerateFn = Callable[[list[list[int]], int], list[tuple]]
 
 
 @dataclass
@@ -67,6 +72,9 @@ class Rollout:
     success: bool = False
     env_errors: int = 0  # environment exceptions and timeouts, turned into observations
     final_info: dict = field(default_factory=dict)
+    routes: torch.Tensor | None = None  # (N_b - 1, L, k) int16 route record, N_b = prompt + completion tokens (R3)
+    route_mismatch: int = 0  # (position, layer) pairs a later prefill routed differently (routing-replay.md Eq. 11)
+    route_compared: int = 0  # (position, layer) pairs re-prefilled and compared
 
     @property
     def env_reward(self) -> float:
@@ -164,17 +172,17 @@ def play(
         budgets = [settings.max_completion_length - len(rollouts[i].completion_ids) for i in live]
         for i in live:
             rollouts[i].state_keys.append(envs[i].state_key())
-        outputs = generate(
-            [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in live],
-            min(settings.max_turn_tokens, max(budgets)),
-        )
+        contexts = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in live]
+        outputs = generate(contexts, min(settings.max_turn_tokens, max(budgets)))
         steps = []
-        for i, budget, (ids, logps) in zip(live, budgets, outputs, strict=True):
+        for i, context, budget, (ids, logps, *routes) in zip(live, contexts, budgets, outputs, strict=True):
             if eos_id in ids:
                 cut = ids.index(eos_id) + 1
                 ids, logps = ids[:cut], logps[:cut]
             ids, logps = ids[: min(budget, settings.max_turn_tokens)], logps[: min(budget, settings.max_turn_tokens)]
             r = rollouts[i]
+            if routes:  # keep the positions fed to the model: context + kept tokens except the last (never fed)
+                _add_turn_routes(r, routes[0][: len(context) + len(ids) - 1])
             r.completion_ids += ids
             r.sampled_ids += ids
             r.logprobs += [float(x) for x in logps]
@@ -214,6 +222,19 @@ def play(
     return rollouts
 
 
+def _add_turn_routes(rollout: Rollout, routes: torch.Tensor) -> None:
+    """Stitch one call's record (n_new, L, k) onto the rollout's record by the first-computation rule (D5)."""
+    from trainers.routing_replay import prefix_recompute_mismatch, stitch_turn_routes
+
+    if rollout.routes is None:
+        rollout.routes = routes
+        return
+    mismatch = prefix_recompute_mismatch(rollout.routes, routes)  # (n_prev, L), routing-replay.md Eq. 11
+    rollout.route_mismatch += int(mismatch.sum())
+    rollout.route_compared += mismatch.numel()
+    rollout.routes = stitch_turn_routes(rollout.routes, routes)  # (n_new, L, k), D5
+
+
 def hf_generate(
     model,
     tokenizer,
@@ -224,18 +245,22 @@ def hf_generate(
     repetition_penalty: float = 1.0,
     do_sample: bool = True,
     eos_token_ids: list[int] | None = None,
-    recorder: Any = None,
+    record_routes: bool = False,
 ) -> GenerateFn:
     """A `GenerateFn` over transformers' `generate`; log-probs are those of the processed (sampling) distribution.
 
-    `recorder` (optional) is a routing recorder (see `trainers/routing_replay.py`) whose `record(...)` context wraps
-    each generate call.
+    With `record_routes` (an MoE model), each call records every router's top-k expert ids with forward hooks
+    (`RouteRecorder`, routing-replay.md D1) and returns triples (ids, log-probs, routes), routes (len(context) +
+    len(ids) - 1, L, k) int16 on the CPU: left padding and decode steps after the row's end are dropped.
     """
     from transformers import GenerationConfig
 
+    if record_routes:
+        from trainers.routing_replay import RouteRecorder, split_generate_routes
+
     eos = eos_token_ids or [tokenizer.eos_token_id]
 
-    def generate(contexts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+    def generate(contexts: list[list[int]], max_new_tokens: int) -> list[tuple]:
         width = max(len(c) for c in contexts)
         pad = tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=model.device)
@@ -253,12 +278,13 @@ def hf_generate(
             output_scores=True,
             return_dict_in_generate=True,
         )
-        with torch.no_grad(), recorder.record(mask) if recorder is not None else _nullcontext():
+        recorder = RouteRecorder(model) if record_routes else _nullcontext()
+        with torch.no_grad(), recorder:
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         new = out.sequences[:, width:]  # (N, t)
         scores = torch.stack(out.scores, dim=1).float()  # (N, t, V)
         logps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (N, t)
-        results = []
+        results, kept = [], []
         for row_ids, row_logps in zip(new.tolist(), logps.tolist(), strict=True):
             n = len(row_ids)
             for j, t in enumerate(row_ids):
@@ -266,7 +292,13 @@ def hf_generate(
                     n = j + 1
                     break
             results.append((row_ids[:n], row_logps[:n]))
-        return results
+            kept.append(n)
+        if not record_routes:
+            return results
+        kept_mask = torch.arange(new.shape[1])[None, :] < torch.tensor(kept)[:, None]  # (N, t) tokens each row keeps
+        routes = recorder.indices(len(contexts)).cpu()  # (N, width + t - 1, L, k), Eq. 2
+        records = split_generate_routes(routes, mask.cpu(), kept_mask.long())  # N x (len(c) + n - 1, L, k)
+        return [(ids_, logps_, record) for (ids_, logps_), record in zip(results, records, strict=True)]
 
     return generate
 
@@ -317,6 +349,15 @@ def to_trl(rollouts: list[Rollout]) -> dict[str, list]:
 def rollout_func(prompts: list, trainer) -> dict[str, list]:
     """TRL's `rollout_func` hook. Row data (the task of each prompt) is read from `trainer._rows`, set by the trainer
     right before TRL calls this, in the same order as `prompts` (already repeated G times)."""
+    return to_trl(trainer_rollouts(prompts, trainer))
+
+
+def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
+    """The rollouts behind `rollout_func`, as `Rollout` objects (their `routes` stay here, out of TRL's rows).
+
+    Every process makes the same number of generate calls (`trainer.num_live_global`); with
+    `trainer.replay_routing` the HF backend records MoE routes (routing-replay.md D1).
+    """
     from trl.models import unwrap_model_for_generation
 
     rows = trainer._rows
@@ -326,8 +367,8 @@ def rollout_func(prompts: list, trainer) -> dict[str, list]:
     tasks = [json.loads(row["task"]) if isinstance(row["task"], str) else row["task"] for row in rows]
     settings = trainer.loop_settings
     sync = trainer.num_live_global
-    if trainer.use_vllm:
-        return to_trl(play(vllm_generate(trainer), trainer.processing_class, envs, tasks, prompts, settings, sync))
+    if trainer.use_vllm:  # routes cannot come from TRL's vLLM client; the trainer refuses replay with vLLM at init
+        return play(vllm_generate(trainer), trainer.processing_class, envs, tasks, prompts, settings, sync)
     with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
         generate = hf_generate(
             model,
@@ -338,9 +379,9 @@ def rollout_func(prompts: list, trainer) -> dict[str, list]:
             min_p=trainer.min_p,
             repetition_penalty=trainer.repetition_penalty,
             eos_token_ids=trainer.eos_token_ids,
-            recorder=trainer.routing_recorder,
+            record_routes=trainer.replay_routing,
         )
-        return to_trl(play(generate, trainer.processing_class, envs, tasks, prompts, settings, sync))
+        return play(generate, trainer.processing_class, envs, tasks, prompts, settings, sync)
 
 
 def evaluate(

@@ -1,0 +1,182 @@
+"""Rollout throughput: the project's agent loop against TRL's own `environment_factory` tool loop.
+
+Both loops play the same tool environment (`envs.shop_tools.ShopTools`) with the same model and tokenizer (the tiny
+tool-calling model of `envs.shop_tools.tiny_tool_model`, so both play real multi-turn episodes), the same prompts,
+the same sampling settings (GRPOConfig defaults: temperature 1, top_p 1, top_k 0) and the same budgets:
+
+* per-turn token cap: `max_turn_tokens=n` (ours) and `generation_kwargs={"max_new_tokens": n}` (TRL);
+* turns: `max_turns=K` (ours) and `max_tool_calling_iterations=K-1` (TRL: one first turn plus K-1 post-tool turns);
+* all turns together: `max_completion_length` (both).
+
+What is timed is one call of each trainer's `_generate_and_score_completions` on the same `--episodes` rows: the
+whole rollout phase of a GRPO step (environment reset, prompt rendering, multi-turn generation, tool calls, reward,
+padding), without the optimizer step. Ours is `AgentGRPOTrainer(env_factory=lambda row: ToolEnv(ShopTools))`, whose
+`rollout_func` runs `trainers/agent_loop.play` (which also computes sampling log-probs); TRL's is
+`GRPOTrainer(environment_factory=ShopTools)`. The two alternate `--repeats` times after one untimed warm-up call
+each, and the table reports the ratio of the median times. Success = `ShopTools.get_reward() == 1.0` (all five
+attributes), read from the environment instances of each loop; turns = runs of model tokens in `completion_mask *
+tool_mask`, counted the same way for both.
+
+    HF_HUB_OFFLINE=1 python bench/rollout.py --episodes 64 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import torch  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--episodes", type=int, default=64, help="episodes per timed call (prompts x group size)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per loop, alternating the two loops")
+    p.add_argument("--group-size", type=int, default=4, help="num_generations G")
+    p.add_argument("--max-turn-tokens", type=int, default=48, help="per-turn new-token cap of both loops")
+    p.add_argument("--max-turns", type=int, default=8, help="most assistant turns per episode")
+    p.add_argument("--max-completion-length", type=int, default=512, help="token budget of all turns together")
+    p.add_argument("--difficulty", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sft-steps", type=int, default=None, help="override the tool model's SFT steps (default recipe)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = p.parse_args(argv)
+    if args.episodes % args.group_size:
+        p.error("--episodes must be a multiple of --group-size")
+    return args
+
+
+def turns_per_episode(out: dict) -> list[int]:
+    """Assistant turns of each rollout: maximal runs of model tokens (`completion_mask * tool_mask`)."""
+    mask = out["completion_mask"] * out["tool_mask"]  # (B, T)
+    starts = (mask[:, 1:] > mask[:, :-1]).sum(1) + mask[:, 0]  # (B,)
+    return starts.tolist()
+
+
+def build_trainers(args: argparse.Namespace, folder: str, rows: list[dict]):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from envs.base import ToolEnv
+    from envs.shop_tools import ShopTools
+    from trainers.base import AgentGRPOConfig, AgentGRPOTrainer
+
+    common = dict(
+        per_device_train_batch_size=args.episodes,
+        num_generations=args.group_size,
+        max_completion_length=args.max_completion_length,
+        report_to="none",
+        seed=args.seed,
+        bf16=False,
+        use_cpu=True,
+        activation_checkpointing=False,
+        save_strategy="no",
+        max_steps=1,
+    )
+    made: list[ToolEnv] = []  # our environments, in creation order (the last `episodes` are the last call's)
+
+    def env_factory(row: dict) -> ToolEnv:
+        made.append(ToolEnv(ShopTools, max_turns=args.max_turns))
+        return made[-1]
+
+    data = Dataset.from_list(rows)
+    ours = AgentGRPOTrainer(
+        model=folder,
+        args=AgentGRPOConfig(
+            output_dir="/tmp/bench-ours", max_turn_tokens=args.max_turn_tokens, max_turns=args.max_turns, **common
+        ),
+        train_dataset=data,
+        env_factory=env_factory,
+    )
+    trl = GRPOTrainer(
+        model=folder,
+        args=GRPOConfig(
+            output_dir="/tmp/bench-trl",
+            generation_kwargs={"max_new_tokens": args.max_turn_tokens},
+            max_tool_calling_iterations=args.max_turns - 1,
+            **common,
+        ),
+        train_dataset=data,
+        environment_factory=ShopTools,
+    )
+    torch.testing.assert_close(dict(ours.model.named_parameters()), dict(trl.model.named_parameters()))
+    for trainer in (ours, trl):
+        trainer.model.train()  # rollouts as during training
+
+    def ours_rewards(n: int) -> list[float]:
+        return [env.instance.get_reward() for env in made[-n:]]
+
+    def trl_rewards(n: int) -> list[float]:
+        return [env.get_reward() for env in trl.environments]
+
+    return {"agent_loop (ours)": (ours, ours_rewards), "TRL environment_factory": (trl, trl_rewards)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from envs.shop_tools import make_rows, tiny_tool_model
+
+    t0 = time.perf_counter()
+    overrides = {} if args.sft_steps is None else {"sft_steps": args.sft_steps}
+    folder = tiny_tool_model(difficulty=args.difficulty, seed=args.seed, **overrides)
+    print(f"tool model: {folder} ({time.perf_counter() - t0:.0f} s to build or load)", file=sys.stderr)
+
+    rows = make_rows("eval", args.episodes // args.group_size, seed=args.seed, difficulty=args.difficulty)
+    inputs = [row for row in rows for _ in range(args.group_size)]  # RepeatSampler layout: each prompt G times
+    loops = build_trainers(args, folder, rows)
+
+    for trainer, _ in loops.values():  # untimed warm-up: one group each
+        trainer._generate_and_score_completions([dict(x) for x in inputs[: args.group_size]])
+
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    turns: dict[str, list[int]] = {name: [] for name in loops}
+    rewards: dict[str, list[float]] = {name: [] for name in loops}
+    prompts: dict[str, list[list[int]]] = {}
+    names = list(loops)
+    for r in range(args.repeats):
+        for name in names if r % 2 == 0 else names[::-1]:  # alternate which loop goes first
+            trainer, read_rewards = loops[name]
+            torch.manual_seed(args.seed + r)
+            start = time.perf_counter()
+            out = trainer._generate_and_score_completions([dict(x) for x in inputs])
+            times[name].append(time.perf_counter() - start)
+            turns[name] += turns_per_episode(out)
+            prompts[name] = [
+                ids[m.bool()].tolist() for ids, m in zip(out["prompt_ids"], out["prompt_mask"], strict=True)
+            ]
+            rewards[name] += read_rewards(len(inputs))
+            print(f"repeat {r}: {name}: {times[name][-1]:.2f} s", file=sys.stderr)
+
+    if prompts[names[0]] != prompts[names[1]]:
+        raise RuntimeError("the two loops rendered different prompt ids")
+    eps = {name: args.episodes / statistics.median(times[name]) for name in names}
+    ours_name, trl_name = names
+    print(
+        f"\n{args.episodes} episodes x {args.repeats} repeats, G={args.group_size},"
+        f" {args.max_turn_tokens} tokens/turn, {args.max_turns} turns, {args.max_completion_length} tokens/episode,"
+        f" {args.threads} threads,"
+        f" model {Path(folder).name}\n"
+    )
+    print("| loop | episodes/s (median) | times (s) | mean turns/episode | success rate | mean reward |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        print(
+            f"| {name} | {eps[name]:.2f} | {', '.join(f'{t:.1f}' for t in times[name])} | "
+            f"{statistics.mean(turns[name]):.2f} | {statistics.mean(r == 1.0 for r in rewards[name]):.3f} | "
+            f"{statistics.mean(rewards[name]):.3f} |"
+        )
+    print(f"\nratio of medians (ours / TRL, episodes/s): {eps[ours_name] / eps[trl_name]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

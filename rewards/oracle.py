@@ -1,0 +1,393 @@
+"""An oracle judge for the built-in environments: DRACO's five stages answered from ground truth, with no LLM.
+
+`OracleJudge(tasks)` is a `BaseJudge`: it receives exactly the prompts `rewards/rubrics.py` sends to an API judge and
+answers with the same pydantic schemas, so DRACO's rubric and credit machinery can be tested and benchmarked offline
+and deterministically. What it does per stage (the stage is told by the schema):
+
+- it finds the task by the instruction on the first line of the prompt's `[USER]` block (the tasks are handed to it
+  at construction, e.g. the training dataset's `task` column; the prompts never contain ground truth);
+- it reads each rollout's actions back from the prompt and replays them in a fresh environment, so it knows every
+  state the agent passed through;
+- S1 returns the environment's task-level checks as criteria (the outcome attributes of the task); S2 returns the
+  process checks this rollout fails; the union deduplicates and drops the criteria every shown rollout passes or
+  finds not applicable (§4.3); scoring evaluates each listed criterion by title (an unknown title scores 0); credit
+  gives the same verdicts with the steps responsible (a PASS or FAIL always cites at least one step, an omission
+  cites the last step).
+
+It counts like the real judge (`metrics()`): calls, requests, tokens estimated as characters / 4 (flagged in
+`usage_estimated`), cost 0. It never raises: an unknown task or an unreadable prompt gives None (unscorable).
+
+Checks per environment (titles are the criteria titles):
+- shop: bought item type / material / colour, chosen size, price within budget, a search naming the wanted item
+  (task level); every action valid on its page (process).
+- terminal: each assertion of the verifier on the final file system, ending with `submit` (task level); commands run
+  without shell errors (process).
+- search: each hop's supporting document surfaced by a search, the final answer correct (task level); every turn a
+  valid action (process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+
+from envs.search import SearchEnv
+from envs.shop import ShopEnv, _title
+from envs.terminal import TerminalEnv, _command_line, check_assertion
+from rewards.judge import BaseJudge, M
+from rewards.rubrics import (
+    Attributions,
+    MergedCriteria,
+    RolloutCriteria,
+    Scores,
+    TaskCriteria,
+    extract_criteria,
+    extract_rollouts,
+    extract_task,
+    normalize_title,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Check:
+    """One criterion the oracle can decide, with its verdict on a replayed rollout."""
+
+    title: str
+    description: str
+    verdict: int  # +1 satisfied, -1 violated, 0 not applicable
+    steps: list[int]  # 1-based steps responsible for the verdict
+    evidence: str = ""
+    process: bool = False  # a process check (S2) rather than a task-level one (S1)
+
+    def criterion(self, evidence: bool = False) -> dict[str, Any]:
+        out = {
+            "title": self.title,
+            "description": self.description,
+            "evaluator_instruction": f"Pass if {self.description[0].lower()}{self.description[1:]}",
+            "grounding_references": [],
+        }
+        if evidence:
+            out["trajectory_evidence"] = self.evidence
+        return out
+
+
+def _last(actions: Sequence[str]) -> list[int]:
+    return [len(actions)] if actions else []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-environment checks: (task, actions) -> checks
+
+
+def shop_checks(task: dict, actions: Sequence[str]) -> list[Check]:
+    env = ShopEnv(task["difficulty"])
+    env.reset(task)
+    t, level = task["target"], task["difficulty"]
+    opened: dict[str, int] = {}  # item id -> step that opened it last
+    chose: dict[str, int] = {}  # option kind -> step of the last choice
+    searches: list[tuple[int, set[str]]] = []
+    invalid: list[int] = []
+    info: dict = {}
+    buy_step = None
+    for j, action in enumerate(actions, 1):
+        before = dict(env.chosen)
+        page = env.page
+        _, _, done, info = env.step(action)
+        if info.get("invalid"):
+            invalid.append(j)
+        elif env.page == "results":
+            searches.append((j, set(action.lower().replace("[", " ").replace("]", " ").split())))
+        elif env.page == "item" and page == "results":
+            opened[env.item["id"]] = j
+        elif env.page == "item":
+            chose.update({k: j for k, v in env.chosen.items() if before.get(k) != v})
+        if done:
+            buy_step = j if env.page == "done" and "matched" in info else None
+            break
+    matched, item = info.get("matched"), env.item if buy_step else None
+
+    def outcome(attr: str, title: str, description: str, option: bool = False) -> Check:
+        if item is None:
+            return Check(title, description, -1, _last(actions), "nothing was bought")
+        first = chose.get(attr) if option else opened.get(item["id"])
+        steps = sorted({s for s in (first, buy_step) if s})
+        bought = f"bought {item['id']} ({_title(item, level)} ${item['price']}), options {env.chosen or 'none'}"
+        return Check(title, description, 1 if matched[attr] else -1, steps, bought)
+
+    colour_option = level == 2
+    checks = [
+        outcome("type", f"The bought item is a {t['type']}", f"The item bought is a {t['type']}."),
+        outcome("material", f"The bought item is {t['material']}", f"The item bought is made of {t['material']}."),
+        outcome(
+            "colour",
+            f"The bought item is {t['colour']}",
+            f"The item bought is {t['colour']}" + (" (colour option chosen)." if colour_option else "."),
+            option=colour_option,
+        ),
+        outcome("size", f"Size {t['size']} was chosen", f"Size {t['size']} is chosen before buying.", option=True),
+        outcome(
+            "price", f"The price is at most {t['max_price']} dollars", f"The item costs {t['max_price']} or less."
+        ),
+    ]
+    wanted = {t["type"], t["material"]} | ({t["colour"]} if level < 2 else set())
+    good = [j for j, words in searches if wanted <= words]
+    checks.append(
+        Check(
+            "A search names the wanted item",
+            f"Some search query contains the words {', '.join(sorted(wanted))}.",
+            1 if good else -1,
+            good[:1] or [j for j, _ in searches] or [1][: len(actions)],  # no search: the first step
+            f"search steps {[j for j, _ in searches]}",
+        )
+    )
+    checks.append(
+        Check(
+            "Every action is valid on its page",
+            "Every action is one the current page accepts (no error observation).",
+            -1 if invalid else 1,
+            invalid or list(range(1, len(actions) + 1)),
+            f"error observations at steps {invalid}" if invalid else "no error observation",
+            process=True,
+        )
+    )
+    return checks
+
+
+_SHELL_ERRORS = ("bash: ", ": No such file or directory", ": Is a directory", ": Not a directory", "missing operand")
+
+
+def _describe(assertion: dict) -> str:
+    kind, path = assertion["kind"], assertion["path"]
+    return {
+        "file_exists": f"A file exists at {path}",
+        "file_absent": f"Nothing exists at {path}",
+        "dir_exists": f"A directory exists at {path}",
+        "file_equals": f"{path} holds exactly {str(assertion.get('content', '')).strip()!r}",
+        "file_contains": f"{path} contains {str(assertion.get('text', '')).strip()!r}",
+        "line_count": f"{path} has {assertion.get('lines')} lines",
+    }.get(kind, f"{kind} {path}")
+
+
+def terminal_checks(task: dict, actions: Sequence[str]) -> list[Check]:
+    env = TerminalEnv(task["difficulty"])
+    env.reset(task)
+    commands: list[str] = []
+    errors: list[int] = []
+    submit_step = None
+    for j, action in enumerate(actions, 1):
+        observation, _, done, _ = env.step(action)
+        commands.append(_command_line(action))
+        if any(e in observation for e in _SHELL_ERRORS):
+            errors.append(j)
+        if done:
+            submit_step = j
+            break
+    checks = []
+    for assertion in task.get("assertions", []):
+        holds = check_assertion(env.shell.files, env.shell.dirs, assertion)
+        name = assertion["path"].strip("/").split("/")[-1]
+        touched = [j for j, c in enumerate(commands, 1) if name and name in c]
+        title = _describe(assertion)
+        description = f"At the end, {title[0].lower()}{title[1:]}."
+        checks.append(Check(title, description, 1 if holds else -1, touched or _last(actions)))
+    checks.append(
+        Check(
+            "The episode ends with submit",
+            "The agent ends the episode with `submit` once the work is done.",
+            1 if submit_step else -1,
+            [submit_step] if submit_step else _last(actions),
+        )
+    )
+    checks.append(
+        Check(
+            "Commands run without shell errors",
+            "No command fails with a shell error (unknown command, missing file, bad operand).",
+            -1 if errors else 1,
+            errors or list(range(1, len(commands) + 1)),
+            f"shell errors at steps {errors}" if errors else "no shell error",
+            process=True,
+        )
+    )
+    return checks
+
+
+def search_checks(task: dict, actions: Sequence[str]) -> list[Check]:
+    env = SearchEnv(task["difficulty"])
+    env.reset(task)
+    surfaced: dict[int, int] = {}  # document index -> first step that showed it
+    invalid: list[int] = []
+    answer: tuple[int, bool] | None = None
+    for j, action in enumerate(actions, 1):
+        shown = set(env.shown)
+        observation, _, done, info = env.step(action)
+        if observation.startswith("error"):
+            invalid.append(j)
+        for doc in env.shown - shown:
+            surfaced.setdefault(doc, j)
+        if done:
+            answer = (j, bool(info.get("success")))
+            break
+    checks = []
+    for h, (hop, doc) in enumerate(zip(task["hops"], task["support"], strict=True), 1):
+        found = surfaced.get(doc)
+        checks.append(
+            Check(
+                f"A search finds the fact about {hop}",
+                f"A search shows the document stating hop {h} of the answer chain (about {hop}).",
+                1 if found else -1,
+                [found] if found else _last(actions),
+            )
+        )
+    checks.append(
+        Check(
+            "The final answer is correct",
+            "The agent answers with the entity the question asks for.",
+            1 if answer and answer[1] else -1,
+            [answer[0]] if answer else _last(actions),
+            "no answer" if answer is None else f"answer at step {answer[0]}",
+        )
+    )
+    checks.append(
+        Check(
+            "Every turn has a valid action",
+            "Every turn contains a well-formed search[...] or answer[...] action.",
+            -1 if invalid else 1,
+            invalid or list(range(1, len(actions) + 1)),
+            f"error observations at steps {invalid}" if invalid else "no error observation",
+            process=True,
+        )
+    )
+    return checks
+
+
+CHECKS: dict[str, Callable[[dict, Sequence[str]], list[Check]]] = {
+    "shop": shop_checks,
+    "terminal": terminal_checks,
+    "search": search_checks,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The judge
+
+
+def instruction_key(text: str) -> str:
+    """Lowercase, whitespace collapsed: how instructions are matched."""
+    return " ".join(text.lower().split())
+
+
+class OracleJudge(BaseJudge):
+    """DRACO judge that answers from the environments' ground truth; see the module docstring.
+
+    Args:
+        tasks: task dicts with `instruction` and `env` (the built-in generators' format).
+        checks: per-environment check functions; defaults to `CHECKS` (shop, terminal, search).
+    """
+
+    def __init__(
+        self,
+        tasks: Iterable[Mapping[str, Any]] = (),
+        checks: Mapping[str, Callable[[dict, Sequence[str]], list[Check]]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.checks = dict(CHECKS if checks is None else checks)
+        self.tasks: dict[str, dict] = {}
+        self.add_tasks(tasks)
+
+    def __repr__(self) -> str:
+        return f"OracleJudge(tasks={len(self.tasks)})"
+
+    def add_tasks(self, tasks: Iterable[Mapping[str, Any]]) -> None:
+        for task in tasks:
+            task = json.loads(task) if isinstance(task, str) else dict(task)
+            self.tasks[instruction_key(task["instruction"])] = task
+
+    def find_task(self, prompt: str) -> dict | None:
+        """The task whose instruction is the first line of the `[USER]` block of the prompt's `<task>` section."""
+        task_text = extract_task(prompt)
+        _, _, user = task_text.partition("[USER]\n")
+        first = user.strip().splitlines()[0] if user.strip() else ""
+        label, _, rest = first.partition(":")  # the environments' "Instruction: ...", "Task: ...", "Question: ..."
+        return self.tasks.get(instruction_key(first)) or self.tasks.get(instruction_key(rest) if label else "")
+
+    async def score(
+        self, messages: Sequence[Mapping[str, Any]], schema: type[M], *, vote_index: int = 0, **sampling: Any
+    ) -> M | None:
+        self.stats.add("calls")
+        self.stats.add("requests")
+        prompt = "\n".join(str(m.get("content", "")) for m in messages)
+        try:
+            answer = self.answer(prompt, schema)
+            result = None if answer is None else schema.model_validate(answer)
+        except Exception as err:  # never raise into the training loop
+            logger.warning("oracle judge could not answer %s: %s: %s", schema.__name__, type(err).__name__, err)
+            self.stats.add("failures/internal")
+            result = None
+        self.stats.add("tokens_in", math.ceil(len(prompt) / 4))
+        self.stats.add("tokens_out", math.ceil(len(json.dumps(answer)) / 4) if result is not None else 0)
+        self.stats.add("usage_estimated")
+        if result is None:
+            self.stats.add("unscorable")
+        return result
+
+    def answer(self, prompt: str, schema: type[pydantic.BaseModel]) -> dict | None:
+        """The JSON answer (a dict in `schema`'s envelope) to one DRACO prompt, or None for an unknown task."""
+        task = self.find_task(prompt)
+        if task is None or task.get("env") not in self.checks:
+            return None
+        judge = self.checks[task["env"]]
+        rollouts = extract_rollouts(prompt)
+        if schema is TaskCriteria:
+            return {"criteria": [c.criterion() for c in judge(task, []) if not c.process]}
+        if schema is RolloutCriteria:
+            return {"criteria": [c.criterion(True) for c in judge(task, rollouts[0]) if c.process and c.verdict < 0]}
+        listed = extract_criteria(prompt)
+        if schema is MergedCriteria:
+            verdicts = [{normalize_title(c.title): c.verdict for c in judge(task, r)} for r in rollouts]
+            kept, seen = [], set()
+            for c in listed:
+                key = normalize_title(c["title"])
+                votes = [v.get(key) for v in verdicts]
+                if key in seen or (None not in votes and (all(x == 1 for x in votes) or all(x == 0 for x in votes))):
+                    continue  # duplicate, or passed / not applicable everywhere (§4.3 union rules)
+                seen.add(key)
+                kept.append({k: c[k] for k in ("title", "description", "evaluator_instruction")})
+            return {"criteria": kept[:24]}
+        checks = {normalize_title(c.title): c for c in judge(task, rollouts[0])}
+        if schema is Scores:
+            scores = []
+            for c in listed:
+                check = checks.get(normalize_title(c["title"]))
+                score = check.verdict if check else 0
+                evidence = check.evidence if check else "the oracle does not know this criterion"
+                scores.append({"rubric_title": c["title"], "score": score, "evidence": evidence, "justification": ""})
+            return {"scores": scores}
+        if schema is Attributions:
+            names = {1: "PASS", -1: "FAIL", 0: "NOT_APPLICABLE"}
+            out = []
+            for i, c in enumerate(listed, 1):
+                check = checks.get(normalize_title(c["title"]))
+                verdict = check.verdict if check and check.steps else 0
+                steps = check.steps if verdict else []
+                out.append(
+                    {
+                        "rubric_title": c["title"],
+                        "rubric_index": i,
+                        "verdict": names[verdict],
+                        "relevant_steps": steps,
+                        "explanation": check.evidence if check else "",
+                    }
+                )
+            return {"attributions": out}
+        return None
+
+
+__all__ = ["CHECKS", "Check", "OracleJudge", "search_checks", "shop_checks", "terminal_checks"]

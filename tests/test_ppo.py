@@ -1,0 +1,232 @@
+"""Layer 3: CPU smoke runs of the PPO trainer (`trainers/ppo.py`) on the tiny random model with `EchoEnv`: value head
+and separate critic, LoRA, critic-only warm-up, the critic parameter group, explained variance, the TITO audit, and
+token GAE over model tokens only (environment tokens skipped) checked against a plain-Python reference."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import EchoEnv
+from datasets import Dataset
+
+from trainers.advantages import place_turn_rewards, token_gae
+from trainers.ppo import AgentPPOTrainer, PPOConfig, reward_function
+
+
+def distinct_chars(completions, **kwargs):
+    """A dense reward so a random policy gets non-zero returns (the echo reward is 0 almost always)."""
+    return [len(set(c)) / (1 + len(c)) for c in completions]
+
+
+def make_trainer(folder, tokenizer, tmp_path, trainer_cls=AgentPPOTrainer, config_cls=PPOConfig, **kw):
+    tasks = EchoEnv.make_tasks("train", 8)
+    data = Dataset.from_list(
+        [{"prompt": EchoEnv().reset(t), "task": json.dumps(t), "task_id": t["task_id"]} for t in tasks]
+    )
+    peft_config = kw.pop("peft_config", None)
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        steps_per_generation=2,  # 2 minibatches per generation batch: the second one is off-policy
+        max_completion_length=40,
+        max_turn_tokens=4,
+        max_steps=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        report_to="none",
+        seed=0,
+        bf16=False,
+        use_cpu=True,
+        activation_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+    )
+    settings.update(kw)
+    return trainer_cls(
+        model=folder,
+        reward_funcs=[distinct_chars],
+        args=config_cls(**settings),
+        train_dataset=data,
+        processing_class=tokenizer,
+        env_factory=lambda row: EchoEnv(),
+        peft_config=peft_config,
+    )
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def test_value_head_ppo_smoke(tiny_model_folder, tiny_tokenizer, tmp_path, caplog):
+    trainer = make_trainer(
+        tiny_model_folder, tiny_tokenizer, tmp_path, critic_lr_multiplier=10.0, ev_negative_patience=1
+    )
+    head = trainer.model.value_head
+    assert head is trainer.critic and head.weight.abs().sum() == 0  # zero-initialised, attached to the policy
+    before = snapshot(trainer.model)
+    trainer.train()
+    losses = logged(trainer, "loss")
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    changed = {n: not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert all(changed.values()), [n for n, c in changed.items() if not c]  # every parameter moved, the head too
+    assert changed["value_head.weight"] and changed["value_head.bias"]
+    groups = {g["role"]: g["lr"] for g in trainer.optimizer.param_groups}
+    assert groups == {"actor": 1e-2, "critic": pytest.approx(1e-1)}  # t1.md Eq. 13
+    assert logged(trainer, "critic/explained_variance") and logged(trainer, "critic/ev_defined")
+    assert logged(trainer, "t1/tito_mismatch_tokens") == [0.0]  # t1.md Eq. 17
+    assert logged(trainer, "actor/approx_kl")[-1] > 0  # the second minibatch is off-policy
+    # explained variance: an anti-correlated critic warns at once with ev_negative_patience=1 (t1.md D16)
+    mask = torch.ones(1, 3)
+    with caplog.at_level(logging.WARNING, logger="trainers.ppo"):
+        ev = trainer.log_critic_metrics(torch.tensor([[0.0, 1.0, 2.0]]), torch.tensor([[2.0, 1.0, 0.0]]), mask)
+    assert ev < 0 and "negative" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainers.ppo"):  # C5: undefined -> NaN, no warning
+        assert math.isnan(trainer.log_critic_metrics(torch.ones(1, 3), torch.zeros(1, 3), mask))
+    assert "negative" not in caplog.text
+    # the TITO audit: a loss token that is not the sampled id is a hard error (t1.md D14)
+    bad = SimpleNamespace(rows=[{"sampled_ids": [5, 6, 7]}], completion_ids=torch.tensor([[5, 6, 1, 8]]))
+    bad.mask = torch.tensor([[1, 1, 0, 1]])
+    with pytest.raises(RuntimeError, match="token-in/token-out"):
+        trainer.audit_tito(bad)
+
+
+def reference_gae(rewards, values, mask, boot, gamma, lam):
+    """Plain GAE on the compressed sequence of model tokens of one row (t1.md Eq. 6-8)."""
+    pos = [t for t, m in enumerate(mask) if m]
+    r, v = [rewards[t] for t in pos], [values[t] for t in pos]
+    out, carry = [0.0] * len(mask), 0.0
+    for j in reversed(range(len(pos))):
+        v_next = v[j + 1] if j + 1 < len(pos) else boot
+        carry = r[j] + gamma * v_next - v[j] + gamma * lam * carry
+        out[pos[j]] = carry
+    return out
+
+
+def test_gae_skips_environment_tokens_and_bootstraps_truncated_rows(tiny_model_folder, tiny_tokenizer, tmp_path):
+    trainer = make_trainer(
+        tiny_model_folder,
+        tiny_tokenizer,
+        tmp_path,
+        max_steps=1,
+        max_turns=2,
+        whiten_advantages=False,
+        gamma=0.9,
+        lam=0.8,
+    )
+    torch.nn.init.normal_(trainer.critic.weight, std=0.5)  # non-zero values, so alignment and bootstrapping matter
+    seen = []
+    original = trainer.compute_advantages
+
+    def capture(batch):
+        adv = original(batch)
+        # reference values before any update: backbone + head, read one position left of each completion token
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+        attn = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
+        with torch.no_grad():
+            hidden = trainer.model.model(input_ids=ids, attention_mask=attn).last_hidden_state
+            seen.append((batch, adv, trainer.critic(hidden).squeeze(-1)))  # v_all (B, L)
+        return adv
+
+    trainer.compute_advantages = capture
+    trainer.train()
+    batch, adv, v_all = seen[0]
+    mask = batch.mask
+    assert batch.truncated.all()  # 2 of 3 words: every episode is cut by the turn budget (C4: bootstrap)
+    assert ((mask == 0) & (batch.completion_mask == 1)).any()  # there are environment tokens between turns
+    T = batch.completion_ids.shape[1]
+    values, after = v_all[:, :-1][:, -T:], v_all[:, -T:]
+    old = batch.extras["old_values"]
+    torch.testing.assert_close(old, values, atol=1e-5, rtol=1e-5)
+    r_tok = place_turn_rewards(trainer.turn_reward_matrix(batch), batch.turn_index, mask)  # (B, T)
+    for b in range(mask.shape[0]):
+        last = int(batch.completion_mask[b].nonzero().max())
+        assert r_tok[b, int(mask[b].nonzero().max())] == pytest.approx(float(batch.rewards[b]))  # last model token
+        ref = reference_gae(r_tok[b].tolist(), old[b].tolist(), mask[b].tolist(), float(after[b, last]), 0.9, 0.8)
+        torch.testing.assert_close(adv[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    boot = trainer.boot_values(batch, after)
+    expected, ret = token_gae(r_tok, old, mask, batch.truncated, 0.9, 0.8, boot)
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(batch.extras["returns"], ret)
+    assert (adv[mask == 0] == 0).all()  # no advantage on environment tokens or padding
+
+
+def test_critic_warmup_keeps_actor_bit_identical(tiny_model_folder, tiny_tokenizer, tmp_path):
+    trainer = make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path, critic_warmup_steps=2)
+    before = snapshot(trainer.model)
+    trainer.train()
+    for name, p in trainer.model.named_parameters():
+        moved = not torch.equal(before[name], p)
+        assert moved == name.startswith("value_head."), name  # t1.md §7 item 19: only the critic moves
+    assert logged(trainer, "critic/only_phase") == [1.0, 1.0]
+
+
+def test_lora_value_head_trains_alongside_the_adapter(tiny_model_folder, tiny_tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM"
+    )
+    trainer = make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path, peft_config=lora, critic_lr_multiplier=5.0)
+    base = trainer.model.get_base_model()
+    assert base.value_head is trainer.critic
+    before = snapshot(trainer.model)
+    trainer.train()
+    for name, p in trainer.model.named_parameters():
+        moved = not torch.equal(before[name], p)
+        assert moved == p.requires_grad, name  # adapter and head move, the frozen base does not
+        assert p.requires_grad == ("lora_" in name or "value_head" in name), name
+    critic_group = next(g for g in trainer.optimizer.param_groups if g["role"] == "critic")
+    assert {id(p) for p in critic_group["params"]} <= {id(p) for p in trainer.critic.parameters()}
+    assert critic_group["lr"] == pytest.approx(5e-2)
+    trainer.save_model(str(tmp_path / "saved"))  # the head is not in the adapter: critic.pt carries it
+    state = torch.load(tmp_path / "saved" / "critic.pt", weights_only=True)
+    torch.testing.assert_close(state["weight"], trainer.critic.weight.detach())
+
+
+def test_separate_critic_own_group_and_warm_start(tiny_model_folder, tiny_tokenizer, tmp_path):
+    trainer = make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path / "a", critic_model_name_or_path="policy")
+    critic_ids = {id(p) for p in trainer.critic.parameters()}
+    policy = [p for p in trainer.model.parameters() if id(p) not in critic_ids]
+    assert critic_ids.isdisjoint({id(p) for p in policy}) and len(critic_ids) > 2  # backbone + head (t1.md D2)
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert all(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    trainer.save_model(str(tmp_path / "a"))
+    # warm start (t1.md D3): a new run loads the critic weights exactly; mismatching names raise
+    warm = make_trainer(
+        tiny_model_folder,
+        tiny_tokenizer,
+        tmp_path / "b",
+        critic_model_name_or_path="policy",
+        critic_init_path=str(tmp_path / "a" / "critic.pt"),
+    )
+    for (n, p), q in zip(trainer.critic.state_dict().items(), warm.critic.state_dict().values(), strict=True):
+        assert torch.equal(p, q), n
+    with pytest.raises(RuntimeError):
+        make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path / "c", critic_init_path=str(tmp_path / "a/critic.pt"))
+
+
+def test_config_reward_selection_and_validation(tmp_path):
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", activation_checkpointing=False)
+    f = reward_function(PPOConfig(reward="assertion_count", assertion_scale=4.0, **common))
+    assert f.__name__ == "assertion_count_reward"
+    assert f(["", ""], final_info=[{"assertions_passed": 3, "assertions_total": 3}, {}], success=[None, True]) == [
+        0.75,
+        1.0,
+    ]  # r = P/S = 3/4 (t1.md Eq. 1); no report -> binary fallback b = 1 (Eq. 2)
+    assert reward_function(PPOConfig(reward="binary", **common)).__name__ == "binary_success_reward"
+    assert reward_function(PPOConfig(**common)) is None  # 'env': the base's environment reward
+    with pytest.raises(ValueError, match="reward"):
+        PPOConfig(reward="nope", **common)
+    with pytest.raises(ValueError, match="beta"):
+        PPOConfig(beta=0.1, **common)

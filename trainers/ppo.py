@@ -1,0 +1,458 @@
+"""PPO for agents: a learned critic, token GAE over model tokens, clipped surrogate and clipped value loss; T1's critic
+practices as options. The one deliberate second base (STYLE.md principle 2): `trainers/mpo.py` builds on it.
+
+T1: https://huggingface.co/papers/2609.11042 (`specs/t1.md`). PPO: https://huggingface.co/papers/1707.06347.
+
+What changes relative to GRPO (`AgentGRPOTrainer`):
+
+1. **A critic instead of the group baseline.** Either a zero-initialised `nn.Linear(hidden, 1)` value head on the
+   policy's backbone (default; attached to the underlying model, `get_base_model()` under PEFT, so the optimizer and
+   DDP pick it up; with LoRA the head trains alongside the adapter), fed by a forward hook on the backbone, so one
+   forward gives log-probs and values; or a separate critic (`critic_model_name_or_path`: a causal LM's backbone plus
+   a head, parameters disjoint from the actor's, t1.md D2). Values are aligned like log-probs: the value of
+   completion token t is the state before it, `values[:, :-1][:, -T:]`.
+2. **Token GAE over model tokens only** (t1.md Eq. 6-8): environment tokens are not time steps, the recursion skips
+   them. Per-turn environment rewards sit on the last model token of their turn, a trajectory reward on the last
+   model token of the row (CLARIFICATIONS.md C3). Truncated episodes bootstrap from the value of the state after the
+   last token, terminated ones use 0 (C4); `bootstrap_truncated: false` treats every episode as terminated (T1, D8).
+3. **Old values V^old** come from a no-grad forward right after generation (before any update on the batch) and reach
+   the loss as `old_values` and `returns` in `batch.extras`.
+4. **Loss** = clipped surrogate (t1.md Eq. 11) + `vf_coef` x clipped value loss (t1.md Eq. 12), both global token means
+   over the optimizer step (TRL's `"dapo"` normalisation), divided by the accumulation steps (TRL's
+   `loss_is_scaled_for_ga`). No KL term (`beta` must be 0), no entropy bonus.
+5. **T1 options**: `critic_lr_multiplier` (own optimizer parameter group, t1.md Eq. 13), `critic_warmup_steps`
+   (critic-only optimizer steps: actor loss x 0 and actor gradients dropped, so actor weights stay bit-identical,
+   t1.md D4), explained variance every generation batch from all-reduced sums (t1.md Eq. 14-15) with a warning when
+   it stays negative (D16; undefined -> NaN, no warning, C5), `reward: assertion_count` (dense r = P/S, t1.md Eq. 1)
+   and a token-in/token-out audit (t1.md Eq. 17; a mismatch is a hard error, D14).
+
+PPO concepts on TRL's GRPO machinery: PPO epochs = `num_iterations`; minibatches per generation batch =
+`steps_per_generation / gradient_accumulation_steps` (each generation batch is shuffled and split into
+`steps_per_generation` micro-batches; an optimizer step every `gradient_accumulation_steps` of them). T1 and MPO use
+1 epoch x 2 minibatches (`steps_per_generation: 2` with `gradient_accumulation_steps: 1`).
+
+What stays the same: generation, the agent loop, reward functions, TRL's shuffling/splitting and `old_per_token_logps`.
+Left out: groups. TRL's `GRPOConfig` insists on `num_generations >= 2`; the critic trainer ignores groups entirely
+(no group statistic is used), so keep G small (default 2); T1/MPO's G = 1 needs a TRL change. Per-group gradient-norm
+clipping (t1.md D2) is not implemented: the Trainer's global clip applies to actor and critic together.
+
+Logged metrics:
+- `critic/explained_variance`: 1 - Var[R - V_old] / Var[R] over the global batch's model tokens (NaN: undefined).
+- `critic/ev_defined`: 1 when the explained variance is defined (C5), else 0.
+- `critic/ev_negative_streak`: consecutive generation batches with negative explained variance after the warm-up.
+- `critic/value_mean`, `critic/return_mean`: mean V_old and mean return R over model tokens.
+- `critic/value_loss`: clipped value loss (token mean, before `vf_coef`).
+- `critic/value_clip_frac`: fraction of model tokens whose value moved more than `cliprange_value` from V_old.
+- `critic/only_phase`: 1 during the critic-only warm-up steps.
+- `critic/lr`: the critic parameter group's learning rate.
+- `actor/loss`: clipped surrogate (token mean; multiplied by 0 during the warm-up).
+- `actor/clip_frac`: fraction of model tokens whose clipped branch binds.
+- `actor/approx_kl`: mean of (ratio - 1) - log ratio over model tokens (k3 estimator, old vs current policy).
+- `actor/entropy`: mean token entropy of the policy.
+- `ppo/advantage_mean`, `ppo/advantage_std`: over model tokens, after optional whitening.
+- `ppo/bootstrapped_frac`: fraction of rows bootstrapping from the value (truncated and `bootstrap_truncated`).
+- `t1/tito_mismatch_tokens`: loss-bearing tokens whose id is not the id the sampler emitted (must be 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from peft import PeftModel
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM
+from trl.trainer.utils import disable_dropout_in_model
+
+from rewards.verifiers import assertion_count_reward, binary_success_reward, tito_mismatch_count
+from trainers.advantages import (
+    explained_variance_from_sums,
+    explained_variance_sums,
+    masked_sums,
+    place_turn_rewards,
+    token_gae,
+    whiten,
+)
+from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
+from trainers.losses import clip_fractions, clipped_surrogate_loss, clipped_value_loss, masked_token_mean
+
+logger = logging.getLogger(__name__)
+REWARDS = ("env", "assertion_count", "binary")
+
+
+@dataclass
+class PPOConfig(AgentGRPOConfig):
+    """AgentGRPOConfig plus the critic. Changed defaults: `num_generations=2` (groups are unused),
+    `ddp_find_unused_parameters=False` (the hook-fed head is not in forward's output), `disable_dropout=True` (exact
+    old log-probs and values)."""
+
+    num_generations: int | None = field(
+        default=2, metadata={"help": "Rollouts per task. The critic ignores groups; TRL requires at least 2."}
+    )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False, metadata={"help": "Must stay False: the value head is fed by a hook, not by forward's output."}
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout (exact old log-probs and values)."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount per model token (t1.md Eq. 6; T1: 1.0)."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda (t1.md Eq. 7; TRL's PPOTrainer 0.95, T1 1.0)."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the clipped value loss (TRL's PPOTrainer: 0.1)."})
+    cliprange_value: float = field(
+        default=0.2, metadata={"help": "Value clip epsilon_v, absolute in reward units (t1.md Eq. 12)."}
+    )
+    whiten_advantages: bool = field(
+        default=True, metadata={"help": "Whiten advantages over the model tokens of the global batch (T1/MPO: off)."}
+    )
+    bootstrap_truncated: bool = field(
+        default=True,
+        metadata={"help": "Bootstrap budget-cut episodes from the value (C4); False: all terminated (t1.md D8)."},
+    )
+    critic_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "None: value head on the policy's backbone. A path or Hub id: a separate critic (that causal LM's "
+            "backbone plus a head); 'policy' loads the policy's own starting checkpoint as the critic (t1.md D2)."
+        },
+    )
+    critic_init_path: str | None = field(
+        default=None,
+        metadata={"help": "critic.pt of an earlier run (warm critic, t1.md D3); weights only, names must match."},
+    )
+    critic_lr_multiplier: float = field(
+        default=1.0, metadata={"help": "Critic learning rate = this x learning_rate (t1.md Eq. 13; T1/MPO: 15)."}
+    )
+    critic_warmup_steps: int = field(
+        default=0, metadata={"help": "First optimizer steps that train only the critic (t1.md D4: 2 when warm)."}
+    )
+    ev_negative_patience: int = field(
+        default=5, metadata={"help": "Warn when the explained variance is negative this many batches in a row (D16)."}
+    )
+    reward: str = field(
+        default="env",
+        metadata={
+            "help": "Reward when no reward_funcs are given: 'env' (per-turn environment rewards), 'assertion_count' "
+            "(r = P/S, t1.md Eq. 1) or 'binary' (verifier pass/fail, t1.md Eq. 2)."
+        },
+    )
+    assertion_scale: float = field(
+        default=20.0, metadata={"help": "S of the assertion-count reward, fixed for the run (t1.md Eq. 1, D10)."}
+    )
+    tito_audit: bool = field(
+        default=True, metadata={"help": "Audit token-in/token-out every batch; a mismatch raises (t1.md Eq. 17, D14)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+        if self.beta != 0.0:
+            raise ValueError(f"beta must be 0: the critic trainers have no KL term (t1.md §5), got {self.beta}")
+        if self.critic_lr_multiplier <= 0:
+            raise ValueError(f"critic_lr_multiplier must be > 0, got {self.critic_lr_multiplier}")
+        if self.critic_warmup_steps < 0:
+            raise ValueError(f"critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}")
+
+
+def reward_function(args: PPOConfig):
+    """The reward function `args.reward` names (None for 'env': the base then uses the environment's reward)."""
+    if args.reward == "assertion_count":
+        f = functools.partial(assertion_count_reward, assertion_scale=args.assertion_scale)
+        return functools.update_wrapper(f, assertion_count_reward)
+    return binary_success_reward if args.reward == "binary" else None
+
+
+def zero_value_head(hidden_size: int) -> nn.Linear:
+    head = nn.Linear(hidden_size, 1)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+class Critic(nn.Module):
+    """A separate value model: a causal LM's backbone plus a zero-initialised scalar head. (B, L) ids -> (B, L)."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = zero_value_head(hidden_size)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (B, L)
+
+
+class AgentPPOTrainer(AgentGRPOTrainer):
+    """PPO with a critic for multi-turn agents, plus T1's critic practices; see the module docstring (which also lists
+    the logged metrics). Overrides the two hooks and the public `create_optimizer` / `save_model`."""
+
+    def __init__(self, model, reward_funcs=None, args: PPOConfig | None = None, env_factory=None, **kwargs):
+        if not isinstance(args, PPOConfig):
+            raise TypeError(f"args must be a PPOConfig (or a subclass), got {type(args).__name__}")
+        # per-turn environment rewards go on their turns (C3); any other reward is a trajectory reward
+        self.per_turn_rewards = reward_funcs is None and args.reward == "env"
+        if reward_funcs is None and reward_function(args) is not None:
+            reward_funcs = [reward_function(args)]
+        super().__init__(model, reward_funcs=reward_funcs, args=args, env_factory=env_factory, **kwargs)
+        base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        hidden = base.config.get_text_config().hidden_size
+        self._capture: list[Tensor] | None = None  # values the backbone hook collects while not None
+        if args.critic_model_name_or_path is None:
+            self.critic: nn.Module = zero_value_head(hidden)
+            base.value_head = self.critic  # a submodule of the policy: optimizer and DDP pick it up
+            base.base_model.register_forward_hook(self._value_hook)
+        else:
+            path = base.config._name_or_path if args.critic_model_name_or_path == "policy" else None
+            lm = AutoModelForCausalLM.from_pretrained(path or args.critic_model_name_or_path, dtype=base.dtype)
+            self.critic = Critic(lm.base_model, lm.config.get_text_config().hidden_size)
+            base.critic = self.critic
+        self.critic.to(base.device)
+        if args.critic_init_path:
+            self.critic.load_state_dict(torch.load(args.critic_init_path, map_location=base.device, weights_only=True))
+        if args.disable_dropout:
+            disable_dropout_in_model(self.critic)
+        self.ev_negative_streak = 0
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Values
+    def _value_hook(self, module, args, output) -> None:
+        if self._capture is not None:
+            hidden = output.last_hidden_state  # (B, L, H)
+            self._capture.append(self.critic(hidden.to(self.critic.weight.dtype)).squeeze(-1).float())  # (B, L)
+
+    def forward_with_values(self, model, inputs: dict, compute_entropy: bool = False):
+        """`forward_logps` plus the critic's values (B, L) at every position of prompt + completion."""
+        if isinstance(self.critic, Critic):
+            logps, entropies, aux = self.forward_logps(model, inputs, compute_entropy)
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # (B, L)
+            attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # (B, L)
+            with self.accelerator.autocast():
+                return logps, entropies, aux, self.critic(ids, attn).float()
+        self._capture = []
+        try:
+            logps, entropies, aux = self.forward_logps(model, inputs, compute_entropy)  # the hook fills _capture
+            values = torch.cat(self._capture, dim=0)  # (B, L)
+        finally:
+            self._capture = None
+        return logps, entropies, aux, values
+
+    @torch.no_grad()
+    def old_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """V_old before each completion token (B, T) and after each (B, T), float32, from a no-grad forward in chunks
+        of `per_device_train_batch_size` rows."""
+        keys = {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask}
+        keys.update(completion_ids=batch.completion_ids, completion_mask=batch.completion_mask)
+        (B, T), n = batch.completion_ids.shape, self.args.per_device_train_batch_size
+        with self.free_routing():  # MoE replay: the rollout's routes are gone by now; values route freely
+            chunks = [
+                self.forward_with_values(self.model, {k: v[s : s + n] for k, v in keys.items()})[3]
+                for s in range(0, B, n)
+            ]
+        values = torch.cat(chunks, dim=0)  # (B, L)
+        return values[:, :-1][:, -T:], values[:, -T:]  # state before / after each completion token
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Rewards and masks
+    def turn_reward_matrix(self, batch: RolloutBatch) -> Tensor:
+        """(B, K) float64 rewards per turn: the environment's per-turn rewards, or the trajectory reward on the last
+        turn (mpo.md Eq. 4; CLARIFICATIONS.md C3). NaN (unscorable) rewards become 0; such rows carry no loss."""
+        if self.per_turn_rewards:
+            return batch.turn_rewards.to(torch.float64)
+        B, K = batch.turn_valid.shape
+        last = (batch.turn_valid.sum(dim=1) - 1).clamp(min=0)  # (B,)
+        r = torch.nan_to_num(batch.rewards.to(torch.float64), nan=0.0)  # (B,)
+        out = torch.zeros(B, K, dtype=torch.float64, device=r.device)
+        return out.scatter(1, last.unsqueeze(1), r.unsqueeze(1)) * batch.turn_valid.any(dim=1, keepdim=True)
+
+    def batch_mask(self, batch: RolloutBatch) -> Tensor:
+        """(B, T) loss mask without unscorable rows (t1.md D9: they train neither actor nor critic); records the
+        row flags in `batch.extras["scorable"]` for the loss."""
+        scorable = ~torch.isnan(batch.rewards)  # (B,)
+        batch.extras["scorable"] = scorable.float()
+        return batch.mask * scorable.unsqueeze(1)
+
+    def boot_values(self, batch: RolloutBatch, after: Tensor) -> Tensor:
+        """(B,) the value of the state after the last completion token (C4)."""
+        T = batch.completion_mask.shape[1]
+        pos = torch.arange(T, device=after.device).expand_as(after)
+        last = torch.where(batch.completion_mask.bool(), pos, 0).amax(dim=1, keepdim=True)  # (B, 1)
+        return after.gather(1, last).squeeze(1)  # (B,)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Hook 1: advantages
+    def compute_advantages(self, batch: RolloutBatch) -> Tensor:
+        a = self.args
+        mask = self.batch_mask(batch)  # (B, T)
+        values, after = self.old_values(batch)  # (B, T), (B, T)
+        truncated = batch.truncated & a.bootstrap_truncated  # (B,) C4
+        r_tok = place_turn_rewards(self.turn_reward_matrix(batch), batch.turn_index, mask)  # (B, T) C3
+        adv, ret = token_gae(r_tok, values, mask, truncated, a.gamma, a.lam, self.boot_values(batch, after))  # Eq. 6-8
+        if a.whiten_advantages:
+            adv = whiten(adv, mask, self.reduce_sum(masked_sums(adv, mask)))  # one affine map over the global batch
+        batch.extras.update(old_values=values, returns=ret)
+        self.log_critic_metrics(ret, values, mask)
+        self.log_advantage_metrics(adv, mask, truncated)
+        self.audit_tito(batch)
+        return adv
+
+    # Hook 2: the loss
+    def policy_loss(self, model, inputs: dict) -> Tensor:
+        logps, entropies, aux, values = self.forward_with_values(model, inputs, compute_entropy=True)
+        mask = self.ppo_mask(inputs)  # (B, T)
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old  # on-policy: ratio 1 (TRL skips the old forward)
+        adv = inputs["advantages"]  # (B, T)
+        actor_tok = clipped_surrogate_loss(logps, old, adv, mask, self.epsilon_low, self.epsilon_high)  # t1 Eq. 10-11
+        with torch.no_grad():
+            ratio = torch.exp((logps - old) * mask)  # (B, T) t1.md Eq. 10
+            clip = clip_fractions(ratio, adv, mask, self.epsilon_low, self.epsilon_high)["clip_frac"]
+        extra = {"actor/clip_frac": clip * mask.sum()}
+        return self.ppo_loss(actor_tok, logps, old, values, entropies, aux, mask, inputs, extra)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Helpers shared with MPO
+    def ppo_mask(self, inputs: dict) -> Tensor:
+        return self.loss_mask(inputs) * inputs["scorable"].unsqueeze(1)  # (B, T)
+
+    def critic_only(self) -> bool:
+        return self.model.training and self.state.global_step < self.args.critic_warmup_steps
+
+    def ppo_loss(
+        self,
+        actor_tok: Tensor,
+        logps: Tensor,
+        old_logps: Tensor,
+        values_all: Tensor,
+        entropies: Tensor,
+        aux: Tensor | None,
+        mask: Tensor,
+        inputs: dict,
+        extra: dict[str, Tensor],
+    ) -> Tensor:
+        """actor + vf_coef * critic for one micro-batch, as global token means, scaled for gradient accumulation.
+        `actor_tok` (B, T) is the per-token actor loss; `extra` holds local token sums of further metrics to log."""
+        a, train = self.args, self.model.training
+        T = mask.shape[1]
+        values = values_all[:, :-1][:, -T:]  # (B, T) state before each completion token
+        # N_tok of the optimizer step per rank and micro-batch (TRL's "dapo" normaliser); t1.md Eq. 11-12
+        n_tok = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        n_tok = n_tok / a.steps_per_generation if train else n_tok
+        actor = masked_token_mean(actor_tok, mask, n_tok)  # t1.md Eq. 11
+        vf_tok = clipped_value_loss(values, inputs["old_values"], inputs["returns"], mask, a.cliprange_value)  # Eq. 12
+        critic = masked_token_mean(vf_tok, mask, n_tok)  # t1.md Eq. 12
+        loss = (0.0 if self.critic_only() else 1.0) * actor + a.vf_coef * critic  # t1.md D4: critic-only phase
+        if aux is not None:
+            loss = loss + self.router_aux_loss_coef * aux
+        with torch.no_grad():
+            m = mask.bool()
+            log_ratio = (logps - old_logps).double()  # (B, T)
+            moved = ((values - inputs["old_values"]).abs() > a.cliprange_value) & m
+            sums = {
+                "actor/loss": actor_tok.double()[m].sum(),
+                "actor/approx_kl": (log_ratio.exp() - 1 - log_ratio)[m].sum(),  # k3 estimator
+                "actor/entropy": entropies.double()[m].sum(),
+                "critic/value_loss": vf_tok.double()[m].sum(),
+                "critic/value_clip_frac": moved.sum().double(),
+            }
+            self.log_token_means({**sums, **extra}, m.sum().double())
+        if train:
+            self.log_metric("critic/only_phase", float(self.critic_only()))
+            for group in self.optimizer.param_groups:
+                if group.get("role") == "critic":
+                    self.log_metric("critic/lr", group["lr"])
+                    break
+            return loss / self.current_gradient_accumulation_steps  # TRL's loss_is_scaled_for_ga
+        return loss
+
+    def reduce_sum(self, x: Tensor) -> Tensor:
+        return self.accelerator.reduce(x, reduction="sum")
+
+    def log_token_means(self, sums: dict[str, Tensor], count: Tensor) -> None:
+        """Log global means: each entry is a local sum, `count` the local count; one all-reduce for all."""
+        total = self.reduce_sum(torch.stack([*(s.double().reshape(()) for s in sums.values()), count.double()]))
+        for name, value in zip(sums, total[:-1], strict=True):
+            self.log_metric(name, (value / total[-1].clamp(min=1.0)).item())
+
+    def log_critic_metrics(self, returns: Tensor, values: Tensor, mask: Tensor) -> float:
+        """Explained variance from all-reduced sums (t1.md Eq. 14-15); warns when negative for a streak (D16)."""
+        sums = self.reduce_sum(explained_variance_sums(returns, values, mask))  # (5,) Eq. 15
+        ev = explained_variance_from_sums(sums)  # t1.md Eq. 14, NaN when undefined (C5)
+        self.log_metric("critic/explained_variance", ev)
+        self.log_metric("critic/ev_defined", float(not math.isnan(ev)))
+        if self.model.training and self.state.global_step >= self.args.critic_warmup_steps:
+            self.ev_negative_streak = self.ev_negative_streak + 1 if ev < 0 else 0
+            if self.ev_negative_streak >= self.args.ev_negative_patience:
+                logger.warning(
+                    f"critic explained variance {ev:.3f} has been negative for {self.ev_negative_streak} batches: "
+                    "the critic is not tracking returns (t1.md D16); consider a larger critic_lr_multiplier"
+                )
+        self.log_metric("critic/ev_negative_streak", self.ev_negative_streak)
+        m = mask.bool()
+        self.log_token_means(
+            {"critic/value_mean": values.double()[m].sum(), "critic/return_mean": returns.double()[m].sum()}, m.sum()
+        )
+        return ev
+
+    def log_advantage_metrics(self, adv: Tensor, mask: Tensor, bootstrapped: Tensor) -> None:
+        n, s, q = self.reduce_sum(masked_sums(adv, mask)).tolist()
+        mean = s / max(n, 1.0)
+        self.log_metric("ppo/advantage_mean", mean)
+        self.log_metric("ppo/advantage_std", math.sqrt(max(q / max(n, 1.0) - mean * mean, 0.0)))
+        rows = self.reduce_sum(torch.tensor([bootstrapped.sum().item(), bootstrapped.numel()], dtype=torch.float64))
+        self.log_metric("ppo/bootstrapped_frac", (rows[0] / rows[1].clamp(min=1.0)).item())
+
+    def audit_tito(self, batch: RolloutBatch) -> None:
+        """t1.md Eq. 17: every loss position must hold the id the sampler emitted; a mismatch is a hard error (D14)."""
+        if not self.args.tito_audit or not batch.rows or "sampled_ids" not in batch.rows[0]:
+            return
+        sampled = [row["sampled_ids"] for row in batch.rows]
+        bad, n = tito_mismatch_count(batch.completion_ids.tolist(), batch.mask.long().tolist(), sampled)
+        bad = int(self.reduce_sum(torch.tensor(bad, dtype=torch.float64, device=self.accelerator.device)).item())
+        self.log_metric("t1/tito_mismatch_tokens", bad)
+        if bad:
+            raise RuntimeError(f"token-in/token-out audit: {bad} loss tokens differ from the sampled ids (t1.md D14)")
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Optimizer: a critic parameter group (t1.md Eq. 13) and the critic-only warm-up (t1.md D4)
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        critic = {id(p) for p in self.critic.parameters()}
+        groups = []
+        for role, lr in (("actor", self.args.learning_rate), ("critic", self.args.learning_rate)):
+            lr = lr * self.args.critic_lr_multiplier if role == "critic" else lr  # t1.md Eq. 13
+            for decayed in (True, False):
+                params = [
+                    p
+                    for n, p in opt_model.named_parameters()
+                    if p.requires_grad and (id(p) in critic) == (role == "critic") and (n in decay) == decayed
+                ]
+                wd = self.args.weight_decay if decayed else 0.0
+                groups.append({"params": params, "weight_decay": wd, "lr": lr, "role": role})
+        if self.optimizer_cls_and_kwargs is not None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+        self.optimizer.register_step_pre_hook(self._freeze_actor_during_warmup)
+        return self.optimizer
+
+    def _freeze_actor_during_warmup(self, optimizer, args, kwargs) -> None:
+        """Critic-only steps: drop the actor's gradients so its weights (and optimizer state) stay untouched."""
+        if self.state.global_step < self.args.critic_warmup_steps:
+            for group in optimizer.param_groups:
+                if group.get("role") == "actor":
+                    for p in group["params"]:
+                        p.grad = None
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """The policy as usual, plus `critic.pt` (critic weights only; under PEFT the head is not in the adapter)."""
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            folder = output_dir or self.args.output_dir
+            os.makedirs(folder, exist_ok=True)
+            torch.save(self.critic.state_dict(), os.path.join(folder, "critic.pt"))
