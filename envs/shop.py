@@ -1,10 +1,10 @@
 """Shop: a WebShop-like e-commerce environment, entirely in-process, seeded and offline.
 
 The agent reads an instruction ("i need a red cotton shirt, size m, under 40 dollars"), searches a small catalogue
-generated for the task, opens an item, chooses its options and buys it. Item ids (a word such as "otter" at level 0, a code such as "B7K2" above), prices, decoys and the
-options on offer are drawn per task from the task's `catalogue_seed`, so held-out tasks test a skill rather than a
-memorised catalogue. Train and eval tasks are split by their instruction text (`envs.base.split_of`), so the two
-splits never share an instruction.
+generated for the task, opens an item, chooses its options and buys it. Item ids (a word such as "otter" at level 0,
+a code such as "B7K2" above), prices, decoys and the options on offer are drawn per task from the task's
+`catalogue_seed`, so held-out tasks test a skill rather than a memorised catalogue. Train and eval tasks are split
+by their instruction text (`envs.base.split_of`), so the two splits never share an instruction.
 
 Action grammar (one action per assistant turn; surrounding whitespace is ignored, keywords are case-insensitive):
 
@@ -72,8 +72,8 @@ ID_CHARS = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no 0/O or 1/I look-alikes
 ID_WORDS = (
     "fox owl elk yak emu cod eel ant bee ram ape bat boa doe gnu hog jay koi lynx mole newt orca puma seal swan toad "
     "vole wasp wren crab dove frog goat hare ibis kiwi lark mink moth mule pike quail rook slug tern wolf zebu bison "
-    "camel dingo eagle finch gecko heron hyena koala lemur llama moose otter panda raven robin shark sloth squid stork "
-    "tapir trout viper whale"
+    "camel dingo eagle finch gecko heron hyena koala lemur llama moose otter panda raven robin shark sloth squid "
+    "stork tapir trout viper whale"
 ).split()
 
 N_ITEMS = {0: 8, 1: 12, 2: 16}  # catalogue size per difficulty
