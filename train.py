@@ -45,6 +45,9 @@ class RunArguments:
     eval_samples: int = field(default=1, metadata={"help": "Sampled episodes per eval task (pass^k uses all)."})
     eval_batch_size: int = field(default=100, metadata={"help": "Episodes played together during evaluation."})
     skip_eval: bool = field(default=False, metadata={"help": "Skip the before/after held-out evaluation."})
+    tiny_seed: int = field(
+        default=0, metadata={"help": "Seed of the tiny default's build (demonstrations, init, SFT); RL uses `seed`."}
+    )
 
 
 def make_dataset(env_cls, split: str, n: int, seed: int, difficulty: int) -> Dataset:
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     eval_tasks = env_cls.make_tasks("eval", run.num_eval_tasks, seed=run.task_seed, difficulty=run.difficulty)
     name = model_args.model_name_or_path
     if is_tiny(name):  # the embedded default: built offline once, then read from the cache
-        model_args.model_name_or_path = tiny_model(name, difficulty=run.difficulty, seed=config.seed)
+        model_args.model_name_or_path = tiny_model(name, difficulty=run.difficulty, seed=run.tiny_seed)
     quantization = get_quantization_config(model_args)
     config.model_init_kwargs = {
         "dtype": model_args.dtype or "float32",
