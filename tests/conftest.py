@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from envs.base import Env  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # tiny models: more threads only add overhead
 
 WORDS = ["apple", "river", "stone", "cloud", "amber", "maple", "delta", "orbit", "pearl", "quartz"]
 

@@ -93,10 +93,8 @@ class AgentGRPOConfig(GRPOConfig):
             raise ValueError(f"max_turns must be >= 1 or None, got {self.max_turns}")
         if self.routing_replay and self.router_aux_loss_coef != 0.0:
             # derived: routing-replay.md D10, the load-balancing loss is off under replay (None = the model's own)
-            logger.warning(
-                "routing_replay forces router_aux_loss_coef %s -> 0.0 (routing-replay.md D10)",
-                self.router_aux_loss_coef,
-            )
+            was = "None (the model's own)" if self.router_aux_loss_coef is None else self.router_aux_loss_coef
+            logger.warning("routing_replay forces router_aux_loss_coef %s -> 0.0 (routing-replay.md D10)", was)
             self.router_aux_loss_coef = 0.0
 
 
