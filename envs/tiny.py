@@ -69,7 +69,7 @@ class TinySpec:
     env: str
     moe: bool = False
     difficulty: int = 0
-    hidden_size: int = 64
+    hidden_size: int = 128  # 64 did not learn to copy an item id in 300 SFT steps (held-out greedy success 0)
     num_layers: int = 2
     num_heads: int = 4
     intermediate_size: int = 256
