@@ -61,11 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def turns_per_episode(out: dict) -> list[int]:
-    """Assistant turns of each rollout: maximal runs of model tokens (`completion_mask * tool_mask`)."""
+def turns_and_tokens(out: dict) -> tuple[list[int], list[int]]:
+    """Assistant turns (maximal runs of model tokens, `completion_mask * tool_mask`) and model tokens per rollout."""
     mask = out["completion_mask"] * out["tool_mask"]  # (B, T)
     starts = (mask[:, 1:] > mask[:, :-1]).sum(1) + mask[:, 0]  # (B,)
-    return starts.tolist()
+    return starts.tolist(), mask.sum(1).tolist()
 
 
 def build_trainers(args: argparse.Namespace, folder: str, rows: list[dict]):
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
 
     times: dict[str, list[float]] = {name: [] for name in loops}
     turns: dict[str, list[int]] = {name: [] for name in loops}
+    tokens: dict[str, list[int]] = {name: [] for name in loops}
     rewards: dict[str, list[float]] = {name: [] for name in loops}
     prompts: dict[str, list[list[int]]] = {}
     names = list(loops)
@@ -156,7 +157,9 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             out = trainer._generate_and_score_completions([dict(x) for x in inputs])
             times[name].append(time.perf_counter() - start)
-            turns[name] += turns_per_episode(out)
+            episode_turns, episode_tokens = turns_and_tokens(out)
+            turns[name] += episode_turns
+            tokens[name] += episode_tokens
             prompts[name] = [
                 ids[m.bool()].tolist() for ids, m in zip(out["prompt_ids"], out["prompt_mask"], strict=True)
             ]
@@ -173,13 +176,14 @@ def main(argv: list[str] | None = None) -> None:
         f" {args.threads} threads,"
         f" model {Path(folder).name}\n"
     )
-    print("| loop | episodes/s (median) | times (s) | mean turns/episode | success rate | mean reward |")
-    print("|---|---|---|---|---|---|")
+    print("| loop | episodes/s (median) | times (s) | turns/episode | turns/s | model tokens/s | success | reward |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in names:
+        mean_turns, mean_tokens = statistics.mean(turns[name]), statistics.mean(tokens[name])
         print(
-            f"| {name} | {eps[name]:.2f} | {', '.join(f'{t:.1f}' for t in times[name])} | "
-            f"{statistics.mean(turns[name]):.2f} | {statistics.mean(r == 1.0 for r in rewards[name]):.3f} | "
-            f"{statistics.mean(rewards[name]):.3f} |"
+            f"| {name} | {eps[name]:.2f} | {', '.join(f'{t:.1f}' for t in times[name])} | {mean_turns:.2f} | "
+            f"{eps[name] * mean_turns:.1f} | {eps[name] * mean_tokens:.0f} | "
+            f"{statistics.mean(r == 1.0 for r in rewards[name]):.3f} | {statistics.mean(rewards[name]):.3f} |"
         )
     print(f"\nratio of medians (ours / TRL, episodes/s): {eps[ours_name] / eps[trl_name]:.2f}")
 

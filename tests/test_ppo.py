@@ -15,7 +15,8 @@ from conftest import EchoEnv
 from datasets import Dataset
 
 from trainers.advantages import place_turn_rewards, token_gae
-from trainers.ppo import AgentPPOTrainer, PPOConfig, reward_function
+from trainers.base import reward_function
+from trainers.ppo import AgentPPOTrainer, PPOConfig
 
 
 def distinct_chars(completions, **kwargs):
@@ -225,7 +226,7 @@ def test_config_reward_selection_and_validation(tmp_path):
         1.0,
     ]  # r = P/S = 3/4 (t1.md Eq. 1); no report -> binary fallback b = 1 (Eq. 2)
     assert reward_function(PPOConfig(reward="binary", **common)).__name__ == "binary_success_reward"
-    assert reward_function(PPOConfig(**common)) is None  # 'env': the base's environment reward
+    assert reward_function(PPOConfig(**common)).__name__ == "env_reward"  # the environment's own reward
     with pytest.raises(ValueError, match="reward"):
         PPOConfig(reward="nope", **common)
     with pytest.raises(ValueError, match="beta"):

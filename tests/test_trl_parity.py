@@ -16,7 +16,13 @@ PINNED = {
     "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],
     "_compute_loss": ["self", "model", "inputs"],
     "_get_per_token_logps_and_entropies": [
-        "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
         "compute_aux_loss",
     ],
 }
@@ -35,19 +41,39 @@ def distinct_chars(completions, **kwargs):
 
 def _config(cls, tmp_path, **kw):
     return cls(
-        output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        learning_rate=1e-3, report_to="none", seed=0, bf16=False, use_cpu=True, activation_checkpointing=False,
-        save_strategy="no", logging_steps=1, max_steps=1, disable_dropout=True, **kw,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        report_to="none",
+        seed=0,
+        bf16=False,
+        use_cpu=True,
+        activation_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=1,
+        disable_dropout=True,
+        **kw,
     )
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "none"])
 def test_default_hooks_reproduce_stock_grpo(tiny_model_folder, tmp_path, scale_rewards):
     data = Dataset.from_list([{"prompt": f"say {w}"} for w in ["apple", "river", "stone", "cloud"]])
-    stock = GRPOTrainer(model=tiny_model_folder, reward_funcs=[distinct_chars], train_dataset=data,
-                        args=_config(GRPOConfig, tmp_path / "a", scale_rewards=scale_rewards))
-    ours = AgentGRPOTrainer(model=tiny_model_folder, reward_funcs=[distinct_chars], train_dataset=data,
-                            args=_config(AgentGRPOConfig, tmp_path / "b", scale_rewards=scale_rewards))
+    stock = GRPOTrainer(
+        model=tiny_model_folder,
+        reward_funcs=[distinct_chars],
+        train_dataset=data,
+        args=_config(GRPOConfig, tmp_path / "a", scale_rewards=scale_rewards),
+    )
+    ours = AgentGRPOTrainer(
+        model=tiny_model_folder,
+        reward_funcs=[distinct_chars],
+        train_dataset=data,
+        args=_config(AgentGRPOConfig, tmp_path / "b", scale_rewards=scale_rewards),
+    )
     rows = [{"prompt": f"say {w}"} for w in ["apple", "apple", "apple", "apple", "river", "river", "river", "river"]]
     torch.manual_seed(123)
     ref = stock._generate_and_score_completions([dict(r) for r in rows])
@@ -68,5 +94,9 @@ def test_default_hooks_reproduce_stock_grpo(tiny_model_folder, tmp_path, scale_r
 def test_rejects_plain_grpo_config(tiny_model_folder, tmp_path):
     data = Dataset.from_list([{"prompt": "say apple"}] * 4)
     with pytest.raises(TypeError, match="AgentGRPOConfig"):
-        AgentGRPOTrainer(model=tiny_model_folder, reward_funcs=[distinct_chars], train_dataset=data,
-                         args=_config(GRPOConfig, tmp_path))
+        AgentGRPOTrainer(
+            model=tiny_model_folder,
+            reward_funcs=[distinct_chars],
+            train_dataset=data,
+            args=_config(GRPOConfig, tmp_path),
+        )

@@ -34,6 +34,7 @@ the batch's `routing` tensor over all processes), `routing/router_grad_norm` (wh
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -46,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from trl import GRPOConfig, GRPOTrainer
 
 from envs.base import Env
+from rewards.verifiers import assertion_count_reward, binary_success_reward
 from trainers import agent_loop
 from trainers.routing_replay import (
     RouteRecorder,
@@ -63,6 +65,9 @@ logger = logging.getLogger(__name__)
 FLIP_EVERY = 10  # routing-replay.md §5 / D14: the flip diagnostic runs on one micro-batch every 10 optimizer steps
 
 
+REWARDS = ("env", "binary", "assertion_count")
+
+
 @dataclass
 class AgentGRPOConfig(GRPOConfig):
     """GRPOConfig plus the agent loop's budgets. `max_completion_length` is the budget of ALL turns of an episode,
@@ -74,6 +79,17 @@ class AgentGRPOConfig(GRPOConfig):
     max_turn_tokens: int = field(default=32, metadata={"help": "Most new tokens the model may sample in one turn."})
     env_timeout: float = field(
         default=30.0, metadata={"help": "Seconds an environment step may take before the episode is ended."}
+    )
+    reward: str = field(
+        default="env",
+        metadata={
+            "help": "Reward when no reward_funcs are given: 'env' (the environment's own reward, e.g. the shop's "
+            "fraction of matched attributes), 'binary' (1 on success, else 0; t1.md Eq. 2) or 'assertion_count' "
+            "(passing assertions / assertion_scale, t1.md Eq. 1; terminal environment)."
+        },
+    )
+    assertion_scale: float = field(
+        default=20.0, metadata={"help": "S of the assertion-count reward, fixed for the run (t1.md Eq. 1, D10)."}
     )
     routing_replay: bool = field(
         default=False,
@@ -91,6 +107,8 @@ class AgentGRPOConfig(GRPOConfig):
             raise ValueError(f"max_turn_tokens must be >= 1, got {self.max_turn_tokens}")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1 or None, got {self.max_turns}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
         if self.routing_replay and self.router_aux_loss_coef != 0.0:
             # derived: routing-replay.md D10, the load-balancing loss is off under replay (None = the model's own)
             was = "None (the model's own)" if self.router_aux_loss_coef is None else self.router_aux_loss_coef
@@ -154,13 +172,13 @@ class AgentGRPOTrainer(GRPOTrainer):
         env_factory: Callable[[dict], Env] | None = None,
         **kwargs,
     ):
-        if env_factory is not None:
-            kwargs["rollout_func"] = self._rollout_func
-            reward_funcs = reward_funcs if reward_funcs is not None else [env_reward]
-        if reward_funcs is None:
-            raise ValueError("reward_funcs is required when no env_factory is given")
         if not isinstance(args, AgentGRPOConfig):
             raise TypeError(f"args must be an AgentGRPOConfig (or a subclass), got {type(args).__name__}")
+        if env_factory is not None:
+            kwargs["rollout_func"] = self._rollout_func
+            reward_funcs = reward_funcs if reward_funcs is not None else [reward_function(args)]
+        if reward_funcs is None:
+            raise ValueError("reward_funcs is required when no env_factory is given")
         self.env_factory = env_factory
         self._rows: list[dict] = []
         # Routing replay state (routing-replay.md D7-D9), read by `_policy_routing` and the log-prob forward
@@ -619,6 +637,14 @@ class AgentGRPOTrainer(GRPOTrainer):
         self.log_metric("env/turns", sum(r[1] for r in rows) / n)
         self.log_metric("env/truncated", sum(r[2] for r in rows) / n)
         self.log_metric("env/errors", sum(r[3] for r in rows) / n)
+
+
+def reward_function(args: AgentGRPOConfig) -> Callable:
+    """The reward function `args.reward` names."""
+    if args.reward == "assertion_count":
+        f = functools.partial(assertion_count_reward, assertion_scale=args.assertion_scale)
+        return functools.update_wrapper(f, assertion_count_reward)  # TRL names reward columns by __name__
+    return binary_success_reward if args.reward == "binary" else env_reward
 
 
 def env_reward(completions, env_reward=None, **kwargs) -> list[float | None]:

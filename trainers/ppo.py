@@ -56,7 +56,6 @@ Logged metrics:
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -68,7 +67,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import disable_dropout_in_model
 
-from rewards.verifiers import assertion_count_reward, binary_success_reward, tito_mismatch_count
+from rewards.verifiers import tito_mismatch_count
 from trainers.advantages import (
     explained_variance_from_sums,
     explained_variance_sums,
@@ -81,7 +80,6 @@ from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
 from trainers.losses import clip_fractions, clipped_surrogate_loss, clipped_value_loss, masked_token_mean
 
 logger = logging.getLogger(__name__)
-REWARDS = ("env", "assertion_count", "binary")
 
 
 @dataclass
@@ -130,38 +128,18 @@ class PPOConfig(AgentGRPOConfig):
     ev_negative_patience: int = field(
         default=5, metadata={"help": "Warn when the explained variance is negative this many batches in a row (D16)."}
     )
-    reward: str = field(
-        default="env",
-        metadata={
-            "help": "Reward when no reward_funcs are given: 'env' (per-turn environment rewards), 'assertion_count' "
-            "(r = P/S, t1.md Eq. 1) or 'binary' (verifier pass/fail, t1.md Eq. 2)."
-        },
-    )
-    assertion_scale: float = field(
-        default=20.0, metadata={"help": "S of the assertion-count reward, fixed for the run (t1.md Eq. 1, D10)."}
-    )
     tito_audit: bool = field(
         default=True, metadata={"help": "Audit token-in/token-out every batch; a mismatch raises (t1.md Eq. 17, D14)."}
     )
 
     def __post_init__(self):
         super().__post_init__()
-        if self.reward not in REWARDS:
-            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
         if self.beta != 0.0:
             raise ValueError(f"beta must be 0: the critic trainers have no KL term (t1.md §5), got {self.beta}")
         if self.critic_lr_multiplier <= 0:
             raise ValueError(f"critic_lr_multiplier must be > 0, got {self.critic_lr_multiplier}")
         if self.critic_warmup_steps < 0:
             raise ValueError(f"critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}")
-
-
-def reward_function(args: PPOConfig):
-    """The reward function `args.reward` names (None for 'env': the base then uses the environment's reward)."""
-    if args.reward == "assertion_count":
-        f = functools.partial(assertion_count_reward, assertion_scale=args.assertion_scale)
-        return functools.update_wrapper(f, assertion_count_reward)
-    return binary_success_reward if args.reward == "binary" else None
 
 
 def zero_value_head(hidden_size: int) -> nn.Linear:
@@ -193,8 +171,6 @@ class AgentPPOTrainer(AgentGRPOTrainer):
             raise TypeError(f"args must be a PPOConfig (or a subclass), got {type(args).__name__}")
         # per-turn environment rewards go on their turns (C3); any other reward is a trajectory reward
         self.per_turn_rewards = reward_funcs is None and args.reward == "env"
-        if reward_funcs is None and reward_function(args) is not None:
-            reward_funcs = [reward_function(args)]
         super().__init__(model, reward_funcs=reward_funcs, args=args, env_factory=env_factory, **kwargs)
         base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
         hidden = base.config.get_text_config().hidden_size
