@@ -130,11 +130,17 @@ def tool_methods(cls: type) -> dict[str, Callable]:
 class ToolEnv(Env):
     """Runs an unchanged TRL-style tool environment class through the `Env` protocol.
 
-    The task dict is passed to the class's `reset(**task)` (as TRL passes the dataset row); a string it returns is
-    appended to the first observation. The first observation is `task["prompt"]` when it is a string, or the content
-    of its last user message when it is a message list. Tool errors (unknown tool, bad arguments, an exception inside
-    the tool) become error observations, never exceptions. A turn without a tool call ends the episode with reward
-    `get_reward()` (0 when the class has none); `info["success"]` is `reward > 0`.
+    The task dict (the dataset row when it has no `task` column) is passed to the class's `reset(**task)`, as TRL
+    passes the row; a string it returns is appended to the first observation. The first observation is
+    `task["prompt"]` when it is a string, or the content of its last user message when it is a message list. Tool
+    errors (unknown tool, bad arguments, an exception inside the tool) become error observations, never exceptions.
+    A turn without a tool call ends the episode. Each step's reward is the change of `get_reward()` (0 when the class
+    has none), so the episode's reward is `get_reward()` however the episode ends, a budget cut included;
+    `info["success"]` is `get_reward() > 0`.
+
+    Differences from TRL's own tool loop: a malformed call (bad JSON, no string `name`) is an error observation and
+    the episode goes on (TRL ends it, reading the turn as plain text); several calls in one turn come back as one
+    observation; error text is JSON with the exception's type.
     """
 
     observation_role = "tool"
@@ -150,12 +156,15 @@ class ToolEnv(Env):
         self.tools = [get_json_schema(fn) for fn in self._methods.values()]
         self.instance: Any = None
         self._n_calls = 0
+        self._reward = 0.0
+
+    def _total_reward(self) -> float:
+        return float(self.instance.get_reward()) if hasattr(self.instance, "get_reward") else 0.0
 
     def reset(self, task: dict) -> str:
         self.instance = self.env_cls()
-        self._n_calls = 0
-        row = {k: v for k, v in task.items() if k != "prompt"}
-        extra = self.instance.reset(**row)
+        self._n_calls, self._reward = 0, 0.0
+        extra = self.instance.reset(**task)
         prompt = task.get("prompt", "")
         if isinstance(prompt, list):
             prompt = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
@@ -164,8 +173,7 @@ class ToolEnv(Env):
     def step(self, action: str) -> tuple[str, float, bool, dict]:
         calls = parse_tool_calls(action)
         if not calls:
-            reward = float(self.instance.get_reward()) if hasattr(self.instance, "get_reward") else 0.0
-            return "", reward, True, {"success": reward > 0, "tool_calls": 0}
+            return "", self._reward_change(), True, {"success": self._reward > 0, "tool_calls": 0}
         results = []
         for call in calls:
             self._n_calls += 1
@@ -180,7 +188,13 @@ class ToolEnv(Env):
                 results.append(str(getattr(self.instance, call["name"])(**call["arguments"])))
             except Exception as e:  # a failing tool is an observation for the agent, as in TRL's tool loop
                 results.append(json.dumps({"error": f"{type(e).__name__}: {e}"}))
-        return "\n".join(results), 0.0, False, {"tool_calls": len(calls)}
+        reward = self._reward_change()
+        return "\n".join(results), reward, False, {"success": self._reward > 0, "tool_calls": len(calls)}
+
+    def _reward_change(self) -> float:
+        total = self._total_reward()
+        change, self._reward = total - self._reward, total
+        return change
 
     def state_key(self) -> str:
         return f"calls={self._n_calls}"

@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
-import shutil
-import tempfile
 from dataclasses import asdict
-from pathlib import Path
 
 from transformers.utils import get_json_schema
 
 from envs.base import ToolEnv, tool_methods
 from envs.shop import ShopEnv
-from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, cache_root, demonstrations, sft
+from envs.tiny import CHAT_TEMPLATE, TinySpec, build_and_save, build_tokenizer, cache_root, demonstrations
 
 #: what the model says after buying: any turn without a tool call ends the episode
 FINAL_ANSWER = "done"
@@ -256,18 +252,5 @@ def tiny_tool_model(difficulty: int = 0, seed: int = 0, **overrides) -> str:
         check, tools=TOOL_SCHEMAS, tokenize=False
     ):
         raise RuntimeError("SFT rendering of the tool demonstrations differs from the structured tool rendering")
-    model = build_model(spec, tokenizer)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        model = sft(model, tokenizer, demos, spec, output_dir=os.path.join(tmp, "sft"))
-        staging = Path(tmp) / "model"
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
-        shutil.rmtree(staging / "sft", ignore_errors=True)
-        try:
-            os.replace(staging, folder)  # atomic: a crash never leaves a half-written cache entry
-        except OSError:
-            if not (folder / "model.safetensors").exists():
-                raise
+    build_and_save(spec, tokenizer, demos, folder)
     return str(folder)

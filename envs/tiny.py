@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -220,6 +219,24 @@ def sft(model, tokenizer, demos: list[list[dict]], spec: TinySpec, output_dir: s
     return trainer.model
 
 
+def build_and_save(spec: TinySpec, tokenizer, demos: list[list[dict]], folder: Path) -> None:
+    """Build the model of `spec`, SFT it on `demos` and move the saved folder into place atomically (a crash never
+    leaves a half-written cache entry; a concurrent builder that finished first wins)."""
+    model = build_model(spec, tokenizer)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        model = sft(model, tokenizer, demos, spec, output_dir=os.path.join(tmp, "sft"))
+        staging = Path(tmp) / "model"
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if not (folder / "model.safetensors").exists():
+                raise
+
+
 def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> str:
     """Folder of the tiny default for `name` ("tiny:shop", "tiny-moe:search", ...), built if not cached."""
     from envs import ENVIRONMENTS
@@ -237,18 +254,5 @@ def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> st
     # the role words are repeated so that each becomes one token (short sequences are fast sequences)
     texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
     tokenizer = build_tokenizer(texts, spec.vocab_size)
-    model = build_model(spec, tokenizer)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        model = sft(model, tokenizer, demos, spec, output_dir=os.path.join(tmp, "sft"))
-        staging = Path(tmp) / "model"
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
-        shutil.rmtree(staging / "sft", ignore_errors=True)
-        try:
-            os.replace(staging, folder)  # atomic: a crash never leaves a half-written cache entry
-        except OSError:
-            if not (folder / "model.safetensors").exists():  # another process won the race only if it finished
-                raise
+    build_and_save(spec, tokenizer, demos, folder)
     return str(folder)

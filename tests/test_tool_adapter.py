@@ -95,9 +95,19 @@ def test_expert_tool_calls_succeed_through_the_adapter(tiny_tokenizer):
             "buy",
         ]
         assert r.transcript[-1]["action"] == FINAL_ANSWER  # a turn without a tool call ends the episode
-        assert r.turn_rewards == [0.0, 0.0, 0.0, 0.0, 1.0]  # get_reward() on the final turn
+        assert r.turn_rewards == [0.0, 0.0, 0.0, 1.0, 0.0]  # the change of get_reward(), on the buying turn
         assert env.instance.get_reward() == 1.0
         assert r.transcript[3]["observation"].startswith("bought ")
+
+
+def test_a_budget_cut_after_buying_keeps_the_reward(tiny_tokenizer):
+    tasks = shop_tasks(2)
+    envs = [ToolEnv(ShopTools) for _ in tasks]
+    settings = LoopSettings(
+        max_turn_tokens=WIDE.max_turn_tokens, max_completion_length=WIDE.max_completion_length, max_turns=4
+    )  # cut right after `buy`, before the closing answer
+    rollouts = play(scripted(tiny_tokenizer, envs, tasks), tiny_tokenizer, envs, tasks, settings=settings)
+    assert all(r.truncated and r.success and r.env_reward == 1.0 for r in rollouts)
 
 
 def test_reset_takes_the_trl_row_or_the_adapter_task():

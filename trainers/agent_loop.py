@@ -352,6 +352,13 @@ def rollout_func(prompts: list, trainer) -> dict[str, list]:
     return to_trl(trainer_rollouts(prompts, trainer))
 
 
+def row_task(row: dict) -> dict:
+    """The task of a dataset row: its `task` column (a JSON string or a dict), else the whole row."""
+    if "task" not in row:
+        return row
+    return json.loads(row["task"]) if isinstance(row["task"], str) else row["task"]
+
+
 def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
     """The rollouts behind `rollout_func`, as `Rollout` objects (their `routes` stay here, out of TRL's rows).
 
@@ -364,7 +371,8 @@ def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
     if len(rows) != len(prompts):
         raise RuntimeError(f"rollout_func got {len(prompts)} prompts but {len(rows)} stashed rows")
     envs = [trainer.env_factory(row) for row in rows]
-    tasks = [json.loads(row["task"]) if isinstance(row["task"], str) else row["task"] for row in rows]
+    # a `task` column (JSON or dict) holds the task; without one the row itself is the task, as TRL's reset(**row)
+    tasks = [row_task(row) for row in rows]
     settings = trainer.loop_settings
     sync = trainer.num_live_global
     if trainer.use_vllm:  # routes cannot come from TRL's vLLM client; the trainer refuses replay with vLLM at init
