@@ -14,6 +14,17 @@ from envs.base import Env  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # tiny models: more threads only add overhead
 
+#: TrainingArguments every CPU test trainer shares (quiet, deterministic, fp32, nothing saved)
+CPU_ARGS = dict(
+    report_to="none",
+    seed=0,
+    bf16=False,
+    use_cpu=True,
+    activation_checkpointing=False,
+    save_strategy="no",
+    logging_steps=1,
+)
+
 WORDS = ["apple", "river", "stone", "cloud", "amber", "maple", "delta", "orbit", "pearl", "quartz"]
 
 

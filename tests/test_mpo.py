@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import EchoEnv
+from conftest import CPU_ARGS, EchoEnv
 from datasets import Dataset
 
 from trainers.advantages import mpo_advantages
@@ -36,13 +36,7 @@ def make_trainer(folder, tokenizer, tmp_path, **kw):
         max_steps=2,
         learning_rate=1e-2,
         lr_scheduler_type="constant",
-        report_to="none",
-        seed=0,
-        bf16=False,
-        use_cpu=True,
-        activation_checkpointing=False,
-        save_strategy="no",
-        logging_steps=1,
+        **CPU_ARGS,
     )
     settings.update(kw)
     return MPOTrainer(

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import EchoEnv
+from conftest import CPU_ARGS, EchoEnv
 from datasets import Dataset
 
 from trainers.advantages import place_turn_rewards, token_gae
@@ -39,13 +39,7 @@ def make_trainer(folder, tokenizer, tmp_path, trainer_cls=AgentPPOTrainer, confi
         max_steps=2,
         learning_rate=1e-2,
         lr_scheduler_type="constant",
-        report_to="none",
-        seed=0,
-        bf16=False,
-        use_cpu=True,
-        activation_checkpointing=False,
-        save_strategy="no",
-        logging_steps=1,
+        **CPU_ARGS,
     )
     settings.update(kw)
     return trainer_cls(

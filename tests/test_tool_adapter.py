@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import CPU_ARGS
 from datasets import Dataset
 
 from envs.base import ToolEnv
@@ -225,13 +226,7 @@ def _config(cls, tmp_path, **kw):
         per_device_train_batch_size=2,
         num_generations=2,
         learning_rate=1e-3,
-        report_to="none",
-        seed=0,
-        bf16=False,
-        use_cpu=True,
-        activation_checkpointing=False,
-        save_strategy="no",
-        logging_steps=1,
+        **CPU_ARGS,
         max_steps=1,
         disable_dropout=True,
         **kw,

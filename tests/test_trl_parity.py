@@ -5,6 +5,7 @@ import inspect
 
 import pytest
 import torch
+from conftest import CPU_ARGS
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
@@ -46,13 +47,7 @@ def _config(cls, tmp_path, **kw):
         num_generations=4,
         max_completion_length=8,
         learning_rate=1e-3,
-        report_to="none",
-        seed=0,
-        bf16=False,
-        use_cpu=True,
-        activation_checkpointing=False,
-        save_strategy="no",
-        logging_steps=1,
+        **CPU_ARGS,
         max_steps=1,
         disable_dropout=True,
         **kw,

@@ -284,7 +284,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             self._free_routing -= 1
 
     # ----------------------------------------------------------------------------------------------------------------
-    # TRL overrides (signatures pinned by tests/test_trl_signatures.py)
+    # TRL overrides (signatures pinned by tests/test_trl_parity.py)
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._rewards_per_func = rewards_per_func  # (N_global, F), gathered across processes by TRL
