@@ -5,48 +5,19 @@ value-variance diagnostics (mpo.md §8)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
-from conftest import CPU_ARGS, EchoEnv
-from datasets import Dataset
 
+from tests.test_ppo import make_trainer as make_ppo_trainer
 from trainers.advantages import mpo_advantages
 from trainers.mpo import MPOConfig, MPOTrainer
 
 
-def distinct_chars(completions, **kwargs):
-    """A dense reward so a random policy gets non-zero returns (the echo reward is 0 almost always)."""
-    return [len(set(c)) / (1 + len(c)) for c in completions]
-
-
 def make_trainer(folder, tokenizer, tmp_path, **kw):
-    tasks = EchoEnv.make_tasks("train", 8)
-    data = Dataset.from_list(
-        [{"prompt": EchoEnv().reset(t), "task": json.dumps(t), "task_id": t["task_id"]} for t in tasks]
-    )
-    settings = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        steps_per_generation=2,  # mpo.md D15: 1 epoch x 2 minibatches, so the turn ratio matters
-        max_completion_length=40,
-        max_turn_tokens=4,
-        max_steps=2,
-        learning_rate=1e-2,
-        lr_scheduler_type="constant",
-        **CPU_ARGS,
-    )
-    settings.update(kw)
-    return MPOTrainer(
-        model=folder,
-        reward_funcs=[distinct_chars],
-        args=MPOConfig(**settings),
-        train_dataset=data,
-        processing_class=tokenizer,
-        env_factory=lambda row: EchoEnv(),
-    )
+    # mpo.md D15: 1 epoch x 2 minibatches (test_ppo's builder sets steps_per_generation=2), so the turn ratio matters
+    return make_ppo_trainer(folder, tokenizer, tmp_path, trainer_cls=MPOTrainer, config_cls=MPOConfig, **kw)
 
 
 def logged(trainer, key: str) -> list[float]:
