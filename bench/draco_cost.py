@@ -21,22 +21,10 @@ import time
 import torch
 
 from envs import ENVIRONMENTS
+from envs.base import noisy_expert_episode
 from rewards.oracle import OracleJudge
 from rewards.rubrics import DracoReward, RubricPipeline
 from trainers.advantages import credit_metrics, draco_advantages, draco_citations
-
-
-def play(env_cls, task: dict, noise: float, rng: random.Random) -> list[dict]:
-    env = env_cls(task["difficulty"])
-    env.reset(task)
-    transcript = []
-    for _ in range(env.max_turns):
-        action = env.noisy_action(rng) if rng.random() < noise else env.expert_action()
-        observation, reward, done, _ = env.step(action)
-        transcript.append({"action": action, "observation": observation, "reward": reward})
-        if done:
-            break
-    return transcript
 
 
 def group_advantages(rewards: list[float | None], G: int) -> torch.Tensor:
@@ -66,7 +54,7 @@ def main() -> None:
     reward = DracoReward(pipeline, group_size=args.group)
     for step in range(args.steps):
         batch = [t for t in tasks[step * args.tasks : (step + 1) * args.tasks] for _ in range(args.group)]
-        transcripts = [play(env_cls, t, args.noise, rng) for t in batch]
+        transcripts = [noisy_expert_episode(env_cls(t["difficulty"]), t, args.noise, rng)[1] for t in batch]
         start = time.perf_counter()
         metrics: dict[str, float] = {}
         rewards = reward(

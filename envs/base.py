@@ -66,6 +66,23 @@ class Env:
         raise NotImplementedError
 
 
+def noisy_expert_episode(env: Env, task: dict, noise: float, rng: random.Random) -> tuple[str, list[dict], bool]:
+    """Play `env`'s expert on `task`, each turn taking `noisy_action` instead with probability `noise`.
+
+    Returns the first observation, the transcript (per turn: action, observation, reward) and whether the environment
+    ended the episode (False when `max_turns` ran out). Used for SFT demonstrations and scripted judge tests.
+    """
+    first = env.reset(task)
+    transcript = []
+    for _ in range(env.max_turns):
+        action = env.noisy_action(rng) if rng.random() < noise else env.expert_action()
+        observation, reward, done, _ = env.step(action)
+        transcript.append({"action": action, "observation": observation, "reward": reward})
+        if done:
+            return first, transcript, True
+    return first, transcript, False
+
+
 def check_split(split: str) -> None:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from envs.base import Env
+from envs.base import Env, noisy_expert_episode
 
 CHAT_TEMPLATE = (
     "{%- if tools %}"
@@ -108,15 +108,12 @@ def demonstrations(env_cls: type[Env], n: int, seed: int, difficulty: int, noise
     rng = random.Random(seed)
     demos = []
     for task in env_cls.make_tasks("train", n, seed=seed, difficulty=difficulty):
-        env = env_cls(difficulty=difficulty)
-        messages = [{"role": "user", "content": env.reset(task)}]
-        for _ in range(env.max_turns):
-            action = env.noisy_action(rng) if rng.random() < noise else env.expert_action()
-            observation, _, done, _ = env.step(action)
-            messages.append({"role": "assistant", "content": action})
-            if done:
-                break
-            messages.append({"role": env.observation_role, "content": observation})
+        first, transcript, done = noisy_expert_episode(env_cls(difficulty=difficulty), task, noise, rng)
+        messages = [{"role": "user", "content": first}]
+        for k, turn in enumerate(transcript):
+            messages.append({"role": "assistant", "content": turn["action"]})
+            if not (done and k == len(transcript) - 1):
+                messages.append({"role": env_cls.observation_role, "content": turn["observation"]})
         demos.append(messages)
     return demos
 

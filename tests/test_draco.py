@@ -16,6 +16,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
+from envs.base import noisy_expert_episode
 from envs.search import SearchEnv
 from envs.shop import ShopEnv
 from envs.terminal import TerminalEnv
@@ -296,16 +297,7 @@ def test_draco_reward_groups_rows_and_never_shows_hidden_fields():
 
 
 def play_shop(task: dict, noise: float, seed: int) -> list[dict]:
-    env, rng = ShopEnv(task["difficulty"]), random.Random(seed)
-    env.reset(task)
-    transcript = []
-    for _ in range(env.max_turns):
-        action = env.noisy_action(rng) if rng.random() < noise else env.expert_action()
-        observation, reward, done, _ = env.step(action)
-        transcript.append({"action": action, "observation": observation, "reward": reward})
-        if done:
-            break
-    return transcript
+    return noisy_expert_episode(ShopEnv(task["difficulty"]), task, noise, random.Random(seed))[1]
 
 
 def verdicts_by_title(checks) -> dict[str, int]:
