@@ -16,15 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from envs import ENVIRONMENTS
-from envs.base import noisy_expert_episode
-from rewards.oracle import OracleJudge
-from rewards.rubrics import DracoReward, RubricPipeline
-from trainers.advantages import credit_metrics, draco_advantages, draco_citations
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: the repository's packages
+
+from envs import ENVIRONMENTS  # noqa: E402
+from envs.base import noisy_expert_episode  # noqa: E402
+from rewards.oracle import OracleJudge  # noqa: E402
+from rewards.rubrics import DracoReward, RubricPipeline  # noqa: E402
+from trainers.advantages import credit_metrics, draco_advantages, draco_citations  # noqa: E402
 
 
 def group_advantages(rewards: list[float | None], G: int) -> torch.Tensor:
