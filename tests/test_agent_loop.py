@@ -148,3 +148,39 @@ def test_real_model_logprobs_match_a_forward_pass(tiny_tokenizer, tiny_model_fol
         ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
         mask = torch.tensor(r.env_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(r.logprobs)[mask], ref[mask], atol=1e-4, rtol=0)
+
+
+def test_one_hanging_step_does_not_stall_the_others():
+    from trainers.agent_loop import step_all
+
+    tasks = episodes(9)
+    envs = [EchoEnv() for _ in tasks]
+    for env, task in zip(envs, tasks, strict=True):
+        env.reset(task)
+    actions = ["hang"] + [t["words"][0] for t in tasks[1:]]
+    results = step_all(envs, actions, timeout=1.0, workers=2)
+    assert results[0][3] == {"env_timeout": True} and results[0][2]  # the hang ends its episode
+    assert [r[1] for r in results[1:]] == [1.0] * 8  # the other eight stepped on the second worker
+
+
+def test_kv_reuse_across_turns_matches_full_prefill(tiny_tokenizer, tiny_model_folder):
+    """Greedy episodes with the cache kept across turns equal those that prefill every turn from scratch: same ids,
+    same log-probs up to float rounding, and the reused path really skipped the cached positions."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
+    tasks = episodes(6)
+    settings = LoopSettings(max_turn_tokens=5, max_completion_length=80)
+    runs, fed = {}, {}
+    for reuse in (False, True):
+        gen = hf_generate(model, tiny_tokenizer, do_sample=False, reuse_cache=reuse)
+        seen = []
+        hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o, seen=seen: seen.append(i[0].numel()))
+        runs[reuse] = play(gen, tiny_tokenizer, [EchoEnv() for _ in tasks], tasks, settings=settings)
+        hook.remove()
+        fed[reuse] = sum(seen)
+    assert max(len(r.turn_rewards) for r in runs[True]) > 1  # several turns, so the cache was reused
+    for plain, reused in zip(runs[False], runs[True], strict=True):
+        assert reused.completion_ids == plain.completion_ids and reused.env_mask == plain.env_mask
+        torch.testing.assert_close(torch.tensor(reused.logprobs), torch.tensor(plain.logprobs), atol=1e-5, rtol=0)
+    assert fed[True] < fed[False]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import json
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -105,18 +106,29 @@ def observation_text(tokenizer, observation: str, role: str = "user") -> str:
     return full[anchor + len(sentinel) + len(eos) :]
 
 
-def step_all(envs: Sequence[Env], actions: Sequence[str], timeout: float) -> list[tuple[str, float, bool, dict]]:
-    """Step every environment on its action in parallel daemon threads. An exception becomes an error observation;
-    a step still running after `timeout` seconds ends its episode (the thread is abandoned, never joined)."""
+def step_all(
+    envs: Sequence[Env], actions: Sequence[str], timeout: float, workers: int = 8
+) -> list[tuple[str, float, bool, dict]]:
+    """Step every environment on its action, `workers` daemon threads pulling from one queue. An exception becomes an
+    error observation; a step still running after `timeout` seconds ends its episode (its thread is abandoned, never
+    joined; the other threads go on with the queue, so one hang does not stall the rest)."""
     results: list = [None] * len(envs)
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    for j in range(len(envs)):
+        jobs.put(j)
 
-    def target(j: int) -> None:
-        try:
-            results[j] = envs[j].step(actions[j])
-        except Exception as e:  # an environment bug must not crash training
-            results[j] = (f"error: {type(e).__name__}: {e}", 0.0, False, {"env_error": True})
+    def work() -> None:
+        while True:
+            try:
+                j = jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[j] = envs[j].step(actions[j])
+            except Exception as e:  # an environment bug must not crash training
+                results[j] = (f"error: {type(e).__name__}: {e}", 0.0, False, {"env_error": True})
 
-    threads = [threading.Thread(target=target, args=(j,), daemon=True) for j in range(len(envs))]
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(min(workers, len(envs)))]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
@@ -246,12 +258,16 @@ def hf_generate(
     do_sample: bool = True,
     eos_token_ids: list[int] | None = None,
     record_routes: bool = False,
+    reuse_cache: bool = True,
 ) -> GenerateFn:
     """A `GenerateFn` over transformers' `generate`; log-probs are those of the processed (sampling) distribution.
 
     With `record_routes` (an MoE model), each call records every router's top-k expert ids with forward hooks
     (`RouteRecorder`, routing-replay.md D1) and returns triples (ids, log-probs, routes), routes (len(context) +
     len(ids) - 1, L, k) int16 on the CPU: left padding and decode steps after the row's end are dropped.
+
+    With `reuse_cache` (default; off when recording routes, whose record covers every fed position) the KV cache of
+    one call is kept for the next call on the same episodes, so each turn prefills only its new ids (`_PrefixCache`).
     """
     from transformers import GenerationConfig
 
@@ -260,11 +276,16 @@ def hf_generate(
 
     eos = eos_token_ids or [tokenizer.eos_token_id]
 
+    prefix = _PrefixCache() if reuse_cache and not record_routes else None
+
     def generate(contexts: list[list[int]], max_new_tokens: int) -> list[tuple]:
-        width = max(len(c) for c in contexts)
         pad = tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=model.device)
-        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=model.device)
+        if prefix is not None:
+            ids, mask, cache = prefix.inputs(contexts, pad, model.device)
+            prefix.cache = None  # a failed call must not leave a half-updated record behind
+        else:
+            (ids, mask), cache = _left_padded(contexts, pad, model.device), None
+        width = ids.shape[1]
         config = GenerationConfig(
             do_sample=do_sample,
             temperature=temperature if do_sample else None,
@@ -280,7 +301,8 @@ def hf_generate(
         )
         recorder = RouteRecorder(model) if record_routes else _nullcontext()
         with torch.no_grad(), recorder:
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            extra = {"cache": cache} if cache is not None else {}
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **extra)
         new = out.sequences[:, width:]  # (N, t)
         scores = torch.stack(out.scores, dim=1).float()  # (N, t, V)
         logps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (N, t)
@@ -293,6 +315,8 @@ def hf_generate(
                     break
             results.append((row_ids[:n], row_logps[:n]))
             kept.append(n)
+        if prefix is not None:
+            prefix.store(contexts, [r[0] for r in results], mask, out)
         if not record_routes:
             return results
         kept_mask = torch.arange(new.shape[1])[None, :] < torch.tensor(kept)[:, None]  # (N, t) tokens each row keeps
@@ -301,6 +325,87 @@ def hf_generate(
         return [(ids_, logps_, record) for (ids_, logps_), record in zip(results, records, strict=True)]
 
     return generate
+
+
+class _PrefixCache:
+    """The KV cache of one generate call, kept for the next call on the same episodes (one per `hf_generate`).
+
+    Turn k+1's context of an episode is turn k's context, the ids kept from its sampled turn and the observation ids,
+    so the next call only prefills the new part. Rows keep their padded layout: [cached positions | left-padded new
+    ids], with the attention mask 0 on every pad and on sampled ids the episode did not keep. Transformers derives
+    position ids from the mask's cumulative sum, so each kept token keeps the position it had when its keys were
+    cached, and the result equals a fresh prefill up to float rounding (tests/test_agent_loop.py checks the sampling
+    log-probs against a plain forward pass, and greedy episodes against generation without reuse).
+
+    Reuse needs every new context to extend a context of the last call, in the same order (`play` drops finished
+    episodes and keeps the order); anything else (a new batch, the one-token dummy of a process with no live episode)
+    is a plain full prefill that starts a new record.
+    """
+
+    def __init__(self):
+        self.contexts: list[list[int]] = []  # the last call's contexts, unpadded
+        self.generated: list[list[int]] = []  # the ids it returned per row (cut after the end-of-turn id)
+        self.sequences = self.mask = self.cache = None  # (N, S) ids and mask; the cache holds the first S - 1
+
+    def inputs(self, contexts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """(input_ids, attention_mask, cache or None) of a generate call on `contexts`."""
+        matched = self._match(contexts)
+        if matched is None:
+            return *_left_padded([list(c) for c in contexts], pad, device), None
+        rows, kept = zip(*matched, strict=True)
+        width = self.sequences.shape[1]
+        start = width - self.sequences_new  # first sampled position of the last call
+        self.cache.batch_select_indices(torch.tensor(rows, device=self.cache_device))
+        base_mask = self.mask[list(rows), : width - 1].clone()
+        for j, n in enumerate(kept):
+            base_mask[j, start + n :] = 0  # sampled ids the episode did not keep, or that are fed again below
+        tails = [c[len(self.contexts[row]) + n :] for c, row, n in zip(contexts, rows, kept, strict=True)]
+        tail_ids, tail_mask = _left_padded(tails, pad, device)
+        ids = torch.cat([self.sequences[list(rows), : width - 1], tail_ids], 1)
+        return ids, torch.cat([base_mask, tail_mask], 1), self.cache
+
+    def _match(self, contexts: list[list[int]]) -> list[tuple[int, int]] | None:
+        """Per context, (row of the last call it extends, how many of that row's cached sampled ids it keeps)."""
+        if self.cache is None:
+            return None
+        cached_new = self.sequences_new - 1  # sampled ids whose keys are in the cache
+        matched, row = [], 0
+        for c in contexts:
+            while row < len(self.contexts):
+                prev = self.contexts[row]
+                if len(c) > len(prev) and c[: len(prev)] == prev:
+                    break
+                row += 1
+            else:
+                return None
+            prev, gen = self.contexts[row], self.generated[row]
+            n = 0
+            while n < min(len(gen), cached_new, len(c) - len(prev) - 1) and c[len(prev) + n] == gen[n]:
+                n += 1  # at least one new id is left to feed: its logits sample the next token
+            matched.append((row, n))
+            row += 1
+        return matched
+
+    def store(self, contexts, generated, input_mask, out) -> None:
+        """Keep the call's record, or drop it when the cache is not a plain per-position cache of S - 1 tokens."""
+        sequences, cache = out.sequences, getattr(out, "cache", None)
+        plain = cache is not None and all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+        if not plain or cache.get_seq_length() != sequences.shape[1] - 1:
+            self.cache = None  # sliding-window, linear-attention or static caches: always prefill in full
+            return
+        new = sequences.shape[1] - input_mask.shape[1]
+        gen_mask = torch.tensor([[1] * len(g) + [0] * (new - len(g)) for g in generated], device=input_mask.device)
+        self.contexts, self.generated = [list(c) for c in contexts], generated
+        self.sequences, self.sequences_new = sequences, new
+        self.mask = torch.cat([input_mask, gen_mask.to(input_mask.dtype)], 1)
+        self.cache, self.cache_device = cache, sequences.device
+
+
+def _left_padded(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
 
 
 class _nullcontext:
