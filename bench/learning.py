@@ -1,15 +1,19 @@
 """Learning curves: run configs over seeds, then write a markdown table and a PNG of the curves.
 
     python bench/learning.py --configs configs/quickstart.yaml --seeds 0 1 2 --out bench/results/quickstart
-    python bench/learning.py --configs configs/mpo_shop.yaml configs/ppo_shop.yaml configs/quickstart.yaml \
-        --seeds 0 1 2 --set max_steps=150 --threshold 0.5 --out bench/results/shop_methods
+    python bench/learning.py --configs configs/t1_terminal.yaml configs/t1_terminal.yaml@reward=binary \
+        configs/t1_terminal.yaml@critic_warmup_steps=0 --seeds 0 1 2 --metrics critic/explained_variance \
+        --out bench/results/t1_terminal
+
+A config may carry its own overrides after `@` (FIELD=VALUE, comma-separated): it is then a variant, named and
+tabulated as written (`t1_terminal@reward=binary`).
 
 Each (config, seed) runs `train.py` in its own process (so runs never share state) with `--seed S --output_dir
 OUT/<config>-s<S>` plus the `--set` overrides, and reads the run's summary.json. A finished run is not run again,
 so an interrupted benchmark resumes. The table reports, per config, the mean and spread (min to max) over seeds of:
 held-out success sampled at the config's temperature before and after RL, its gain, greedy success after RL, training
 success at a fixed number of rollouts, the rollouts needed to first reach `--threshold` training success, and wall
-time.
+time, plus any logged `--metrics` (e.g. critic/explained_variance), averaged over the last quarter of each run's logs.
 """
 
 from __future__ import annotations
@@ -26,8 +30,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(config: str, seed: int, out: Path, overrides: list[str]) -> dict:
-    folder = out / f"{Path(config).stem}-s{seed}"
+def variant(spec: str) -> tuple[str, str, list[str]]:
+    """'configs/x.yaml@a=1,b=2' -> (name 'x@a=1,b=2', path 'configs/x.yaml', overrides ['a=1', 'b=2'])."""
+    path, _, extra = spec.partition("@")
+    overrides = [item for item in extra.split(",") if item]
+    bad = [item for item in overrides if "=" not in item]
+    if bad:
+        raise SystemExit(f"--configs {spec!r}: overrides after '@' must be FIELD=VALUE, got {bad}")
+    return Path(path).stem + (f"@{extra}" if extra else ""), path, overrides
+
+
+def run(spec: str, seed: int, out: Path, overrides: list[str]) -> dict:
+    name, config, own = variant(spec)
+    overrides = overrides + own
+    folder = out / f"{name}-s{seed}"
     summary = folder / "summary.json"
     if not summary.exists():
         cmd = [
@@ -70,11 +86,20 @@ def success_at(points: list[tuple[float, float]], rollouts: float) -> float | No
     return before[-1] if before else None
 
 
-def table(results: dict[str, list[dict]], threshold: float, at_rollouts: float) -> str:
+def late_mean(summary: dict, metric: str) -> float | None:
+    """Mean of a logged metric over the last quarter of the run's logged steps (NaN entries skipped)."""
+    values = [row[metric] for row in summary["log_history"] if metric in row and "loss" in row]
+    values = values[len(values) - max(1, len(values) // 4) :]
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.mean(values) if values else None
+
+
+def table(results: dict[str, list[dict]], threshold: float, at_rollouts: float, metrics: list[str] = ()) -> str:
     lines = [
         "| config | seeds | sampled before | sampled after | gain | greedy after | "
-        f"train success @ {at_rollouts:g} rollouts | rollouts to {threshold:g} | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"train success @ {at_rollouts:g} rollouts | rollouts to {threshold:g} | wall s |"
+        + "".join(f" {m} (last quarter) |" for m in metrics),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(metrics),
     ]
     for name, runs in results.items():
         before = [r["before"]["sampled"]["success"] for r in runs if "before" in r]
@@ -88,6 +113,7 @@ def table(results: dict[str, list[dict]], threshold: float, at_rollouts: float) 
             f"| {name} | {len(runs)} | {spread(before)} | {spread(after)} | {spread(gains)} | {spread(greedy)} | "
             f"{spread([success_at(curve(r), at_rollouts) for r in runs])} | {reach_text} | "
             f"{spread([r['wall_seconds'] for r in runs])} |"
+            + "".join(f" {spread([late_mean(r, m) for r in runs])} |" for m in metrics)
         )
     return "\n".join(lines)
 
@@ -126,12 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="overrides for every run")
     parser.add_argument("--threshold", type=float, default=0.5, help="training success for rollouts-to-threshold")
     parser.add_argument("--at_rollouts", type=float, default=None, help="budget for 'success at N rollouts'")
+    parser.add_argument("--metrics", nargs="*", default=[], help="logged metrics to tabulate (last-quarter mean)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {Path(c).stem: [run(c, s, args.out, args.set) for s in args.seeds] for c in args.configs}
+    results = {variant(c)[0]: [run(c, s, args.out, args.set) for s in args.seeds] for c in args.configs}
     at = args.at_rollouts or min(curve(r)[-1][0] for runs in results.values() for r in runs if curve(r))
-    text = table(results, args.threshold, at)
+    text = table(results, args.threshold, at, args.metrics)
     (args.out / "table.md").write_text(text + "\n")
     plot(results, args.out / "curves.png")
     print(text)
