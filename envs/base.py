@@ -37,6 +37,8 @@ class Env:
     max_turns: int = 8
     #: chat role of the observations returned by `step` ("user" for text environments, "tool" for tool results)
     observation_role: str = "user"
+    #: bump when the text of demonstrations changes: it is part of the tiny default's cache key (`envs.tiny`)
+    demo_version: int = 0
     #: JSON schemas of the tools rendered into the prompt by the chat template, or None for plain text actions
     tools: list[dict] | None = None
 

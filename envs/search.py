@@ -26,8 +26,9 @@ empty answer gets an error observation (reward 0, not done). The agent loop cuts
 
 Levels (`difficulty`):
 
-0. One hop ("where was Zorvak Telmi born?"). Learnable by the tiny default by positional copying: every name in the
-   corpus is made of words used nowhere else, so the expert's query (the entity copied from the question) has exactly
+0. One hop ("where was Zorvak Telmi born?"). Learnable by the tiny default by positional copying: names are drawn
+   from one fixed pool of 160 pseudo-words (`NAME_POOL`, single tokens for the tiny tokenizer), no word twice in a
+   task, so the expert's query (the entity copied from the question) has exactly
    one matching document, it comes first, and the answer is its last words.
 1. Two hops ("in which country is the town where Zorvak Telmi was born?"): search the person, copy the town from the
    end of result (1), search the town, answer with the end of result (1). Documents are phrased so that the document
@@ -123,13 +124,20 @@ class _Index:
 
 
 class _Names:
-    """Random pseudo-word names; every word handed out is new within one task unless it is reused on purpose."""
+    """Random pseudo-word names; every word handed out is new within one task unless it is reused on purpose. With a
+    `pool`, words are drawn from it (level 0) instead of being made up."""
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, pool: tuple[str, ...] | None = None):
         self.rng = rng
+        self.pool = pool
         self.used: set[str] = set()
 
     def word(self) -> str:
+        while self.pool:
+            w = self.rng.choice(self.pool)
+            if w not in self.used:
+                self.used.add(w)
+                return w
         while True:
             syllables = 2 if self.rng.random() < 0.9 else 3
             r = self.rng
@@ -156,9 +164,17 @@ class _Names:
         return " ".join(w if j == keep else self.word() for j, w in enumerate(words))
 
 
+# Level-0 name words: one fixed pool of pseudo-words, so the tiny default's tokenizer (trained on demonstrations)
+# makes each a single token and copying a name is copying tokens. With names made up per task the tiny default did not
+# learn to copy them (held-out success 0.0 sampled and greedy after 300 SFT steps). Tasks combine pool words at
+# random, so held-out questions still test copying, not recall.
+_POOL_MAKER = _Names(random.Random("search-level-0-names"))
+NAME_POOL = tuple(_POOL_MAKER.word() for _ in range(160))
+
+
 def _generate(rng: random.Random, difficulty: int, split: str) -> dict | None:
     """One task from `rng`, or None when its question belongs to the other split or a ranking check fails."""
-    names = _Names(rng)
+    names = _Names(rng, NAME_POOL if difficulty == 0 else None)
     two_word = difficulty == 2
     question, chain = rng.choice(ONE_HOP if difficulty == 0 else TWO_HOP)
     ent = {
@@ -226,6 +242,7 @@ class SearchEnv(Env):
 
     name = "search"
     max_turns = 6
+    demo_version = 1  # 1: level-0 names from NAME_POOL
 
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:

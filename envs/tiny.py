@@ -92,7 +92,15 @@ class TinySpec:
         return cls(env=env, moe=kind == "tiny-moe", **overrides)
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        """Hash of the settings and of the environment's `demo_version` (left out while 0, so keys made before it
+        existed stay valid)."""
+        from envs import ENVIRONMENTS
+
+        settings = asdict(self)
+        demo_version = getattr(ENVIRONMENTS.get(self.env), "demo_version", 0)
+        if demo_version:
+            settings["demo_version"] = demo_version
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def is_tiny(name: str | None) -> bool:

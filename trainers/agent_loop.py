@@ -4,11 +4,12 @@
 held-out tasks outside training. One turn of the loop:
 
 1. the contexts of all live episodes (`prompt_ids + completion_ids`, plain token concatenation, never re-tokenised)
-   are left-padded and generated in ONE batched call, capped at `max_turn_tokens` new tokens;
+   are left-padded and generated in ONE batched call, capped at `max_turn_tokens` new tokens; the HF backend keeps
+   the KV cache from the previous turn, so only the new ids are prefilled (`_PrefixCache`);
 2. each row is cut at its first end-of-turn id (kept, so stopping receives gradient); the sampled ids and their
    sampling log-probs are appended with `env_mask` 1 and `turn_index` k;
-3. each environment steps on the decoded turn (in threads, with a timeout; an exception becomes an error observation,
-   a hang ends the episode);
+3. each environment steps on the decoded turn (on up to 8 worker threads, with a timeout; an exception becomes an
+   error observation, a hang ends the episode);
 4. the observation is rendered by the chat template as the next message plus the next generation prompt, and its ids
    are appended with `env_mask` 0, log-prob 0 and `turn_index` -1. A turn cut by its token cap is closed by an
    end-of-turn id in front of the observation (an environment token), so the stored sequence stays well formed.
