@@ -39,6 +39,8 @@ class Env:
     observation_role: str = "user"
     #: bump when the text of demonstrations changes: it is part of the tiny default's cache key (`envs.tiny`)
     demo_version: int = 0
+    #: SFT steps the tiny default needs here (None: `envs.tiny.TinySpec.sft_steps`, 300)
+    tiny_sft_steps: int | None = None
     #: JSON schemas of the tools rendered into the prompt by the chat template, or None for plain text actions
     tools: list[dict] | None = None
 

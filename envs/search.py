@@ -243,6 +243,9 @@ class SearchEnv(Env):
     name = "search"
     max_turns = 6
     demo_version = 1  # 1: level-0 names from NAME_POOL
+    # after 300 SFT steps the tiny default copied no name (held-out success 0.0 sampled and greedy); after 900:
+    # 0.09 sampled, 0.48 greedy on 100 eval tasks
+    tiny_sft_steps = 900
 
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:

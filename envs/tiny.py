@@ -89,6 +89,11 @@ class TinySpec:
         kind, _, env = name.partition(":")
         if kind not in ("tiny", "tiny-moe") or not env:
             raise ValueError(f"model_name_or_path {name!r}: expected 'tiny:<env>' or 'tiny-moe:<env>'")
+        from envs import ENVIRONMENTS
+
+        steps = getattr(ENVIRONMENTS.get(env), "tiny_sft_steps", None)  # an environment may need a longer warm start
+        if steps is not None:
+            overrides.setdefault("sft_steps", steps)
         return cls(env=env, moe=kind == "tiny-moe", **overrides)
 
     def key(self) -> str:
