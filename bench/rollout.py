@@ -12,10 +12,11 @@ What is timed is one call of each trainer's `_generate_and_score_completions` on
 whole rollout phase of a GRPO step (environment reset, prompt rendering, multi-turn generation, tool calls, reward,
 padding), without the optimizer step. Ours is `AgentGRPOTrainer(env_factory=lambda row: ToolEnv(ShopTools))`, whose
 `rollout_func` runs `trainers/agent_loop.play` (which also computes sampling log-probs); TRL's is
-`GRPOTrainer(environment_factory=ShopTools)`. The two alternate `--repeats` times after one untimed warm-up call
-each, and the table reports the ratio of the median times. Success = `ShopTools.get_reward() == 1.0` (all five
-attributes), read from the environment instances of each loop; turns = runs of model tokens in `completion_mask *
-tool_mask`, counted the same way for both.
+`GRPOTrainer(environment_factory=ShopTools)`. A third arm is ours with `reuse_kv_cache: false` (each turn prefills
+the whole context again), to show what keeping the KV cache across turns buys. The loops alternate `--repeats` times
+after one untimed warm-up call each, and the table reports ratios of the median times. Success =
+`ShopTools.get_reward() == 1.0` (all five attributes), read from the environment instances of each loop; turns = runs
+of model tokens in `completion_mask * tool_mask`, counted the same way for every loop.
 
 The loops sample identically (same seed, same first turns) but do not play identical episodes: a malformed tool call
 (invalid JSON, a `name` that is not a string) is an error observation in `ToolEnv`, and the episode goes on, while
@@ -93,21 +94,27 @@ def build_trainers(args: argparse.Namespace, folder: str, rows: list[dict]):
         save_strategy="no",
         max_steps=1,
     )
-    made: list[ToolEnv] = []  # our environments, in creation order (the last `episodes` are the last call's)
-
-    def env_factory(row: dict) -> ToolEnv:
-        made.append(ToolEnv(ShopTools, max_turns=args.max_turns))
-        return made[-1]
-
     data = Dataset.from_list(rows)
-    ours = AgentGRPOTrainer(
-        model=folder,
-        args=AgentGRPOConfig(
-            output_dir="/tmp/bench-ours", max_turn_tokens=args.max_turn_tokens, max_turns=args.max_turns, **common
-        ),
-        train_dataset=data,
-        env_factory=env_factory,
-    )
+
+    def agent_trainer(reuse: bool):
+        made: list[ToolEnv] = []  # its environments, in creation order (the last `episodes` are the last call's)
+
+        def env_factory(row: dict) -> ToolEnv:
+            made.append(ToolEnv(ShopTools, max_turns=args.max_turns))
+            return made[-1]
+
+        config = AgentGRPOConfig(
+            output_dir="/tmp/bench-ours",
+            max_turn_tokens=args.max_turn_tokens,
+            max_turns=args.max_turns,
+            reuse_kv_cache=reuse,
+            **common,
+        )
+        trainer = AgentGRPOTrainer(model=folder, args=config, train_dataset=data, env_factory=env_factory)
+        return trainer, lambda n: [env.instance.get_reward() for env in made[-n:]]
+
+    ours, ours_rewards = agent_trainer(reuse=True)
+    plain, plain_rewards = agent_trainer(reuse=False)
     trl = GRPOTrainer(
         model=folder,
         args=GRPOConfig(
@@ -120,16 +127,17 @@ def build_trainers(args: argparse.Namespace, folder: str, rows: list[dict]):
         environment_factory=ShopTools,
     )
     torch.testing.assert_close(dict(ours.model.named_parameters()), dict(trl.model.named_parameters()))
-    for trainer in (ours, trl):
+    for trainer in (ours, plain, trl):
         trainer.model.train()  # rollouts as during training
-
-    def ours_rewards(n: int) -> list[float]:
-        return [env.instance.get_reward() for env in made[-n:]]
 
     def trl_rewards(n: int) -> list[float]:
         return [env.get_reward() for env in trl.environments]
 
-    return {"agent_loop (ours)": (ours, ours_rewards), "TRL environment_factory": (trl, trl_rewards)}
+    return {
+        "agent_loop (ours)": (ours, ours_rewards),
+        "agent_loop, reuse_kv_cache: false": (plain, plain_rewards),
+        "TRL environment_factory": (trl, trl_rewards),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,10 +179,10 @@ def main(argv: list[str] | None = None) -> None:
             rewards[name] += read_rewards(len(inputs))
             print(f"repeat {r}: {name}: {times[name][-1]:.2f} s", file=sys.stderr)
 
-    if prompts[names[0]] != prompts[names[1]]:
-        raise RuntimeError("the two loops rendered different prompt ids")
+    if any(prompts[name] != prompts[names[0]] for name in names):
+        raise RuntimeError("the loops rendered different prompt ids")
     eps = {name: args.episodes / statistics.median(times[name]) for name in names}
-    ours_name, trl_name = names
+    ours_name, plain_name, trl_name = names
     print(
         f"\n{args.episodes} episodes x {args.repeats} repeats, G={args.group_size},"
         f" {args.max_turn_tokens} tokens/turn, {args.max_turns} turns, {args.max_completion_length} tokens/episode,"
@@ -191,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{statistics.mean(r == 1.0 for r in rewards[name]):.3f} | {statistics.mean(rewards[name]):.3f} |"
         )
     print(f"\nratio of medians (ours / TRL, episodes/s): {eps[ours_name] / eps[trl_name]:.2f}")
+    print(f"ratio of medians (KV reuse / no reuse, episodes/s): {eps[ours_name] / eps[plain_name]:.2f}")
 
 
 if __name__ == "__main__":

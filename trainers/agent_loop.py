@@ -494,6 +494,7 @@ def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
             repetition_penalty=trainer.repetition_penalty,
             eos_token_ids=trainer.eos_token_ids,
             record_routes=trainer.replay_routing,
+            reuse_cache=trainer.args.reuse_kv_cache,
         )
         return play(generate, trainer.processing_class, envs, tasks, prompts, settings, sync)
 

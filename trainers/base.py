@@ -91,6 +91,15 @@ class AgentGRPOConfig(GRPOConfig):
     assertion_scale: float = field(
         default=20.0, metadata={"help": "S of the assertion-count reward, fixed for the run (t1.md Eq. 1, D10)."}
     )
+    reuse_kv_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "HF generation in the agent loop keeps each episode's KV cache from one turn to the next and "
+            "prefills only the new ids (the observation and the last sampled id); False prefills the whole context "
+            "every turn. Off by itself when routing_replay records routes or the model's cache is not a plain "
+            "per-position cache (sliding-window, linear attention)."
+        },
+    )
     routing_replay: bool = field(
         default=False,
         metadata={
