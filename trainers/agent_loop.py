@@ -29,6 +29,7 @@ turns by the first-computation rule (D5), of N_b - 1 rows for its N_b = prompt +
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import queue
@@ -300,7 +301,7 @@ def hf_generate(
             output_scores=True,
             return_dict_in_generate=True,
         )
-        recorder = RouteRecorder(model) if record_routes else _nullcontext()
+        recorder = RouteRecorder(model) if record_routes else contextlib.nullcontext()
         with torch.no_grad(), recorder:
             extra = {"cache": cache} if cache is not None else {}
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **extra)
@@ -347,6 +348,8 @@ class _PrefixCache:
         self.contexts: list[list[int]] = []  # the last call's contexts, unpadded
         self.generated: list[list[int]] = []  # the ids it returned per row (cut after the end-of-turn id)
         self.sequences = self.mask = self.cache = None  # (N, S) ids and mask; the cache holds the first S - 1
+        self.sequences_new = 0  # S minus the call's input width: the sampled positions
+        self.cache_device = None
 
     def inputs(self, contexts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(input_ids, attention_mask, cache or None) of a generate call on `contexts`."""
@@ -407,14 +410,6 @@ def _left_padded(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor,
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
     return ids, mask
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def vllm_generate(trainer) -> GenerateFn:
