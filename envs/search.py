@@ -28,8 +28,8 @@ Levels (`difficulty`):
 
 0. One hop ("where was Zorvak Telmi born?"). Learnable by the tiny default by positional copying: names are drawn
    from one fixed pool of 160 pseudo-words (`NAME_POOL`, single tokens for the tiny tokenizer), no word twice in a
-   task, so the expert's query (the entity copied from the question) has exactly
-   one matching document, it comes first, and the answer is its last words.
+   task, so the expert's query (the entity copied from the question) has exactly one matching document, it comes
+   first, and the answer is its last words.
 1. Two hops ("in which country is the town where Zorvak Telmi was born?"): search the person, copy the town from the
    end of result (1), search the town, answer with the end of result (1). Documents are phrased so that the document
    needed at each hop is the shortest full match, hence ranked first (checked at generation time).
@@ -133,6 +133,8 @@ class _Names:
         self.used: set[str] = set()
 
     def word(self) -> str:
+        if self.pool and len(self.used) >= len(self.pool):
+            raise RuntimeError(f"a task needs more than the {len(self.pool)} words of its name pool")
         while self.pool:
             w = self.rng.choice(self.pool)
             if w not in self.used:
