@@ -83,6 +83,13 @@ def _last(actions: Sequence[str]) -> list[int]:
     return [len(actions)] if actions else []
 
 
+def _process_check(title: str, description: str, bad: list[int], num_steps: int, what: str) -> Check:
+    """A process criterion (S2): violated at the `bad` steps, else satisfied by all `num_steps` steps. `what` names
+    one violation ("shell error"); the evidence lists the steps of the violations."""
+    evidence = f"{what}s at steps {bad}" if bad else f"no {what}"
+    return Check(title, description, -1 if bad else 1, bad or list(range(1, num_steps + 1)), evidence, process=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Per-environment checks: (task, actions) -> checks
 
@@ -149,13 +156,12 @@ def shop_checks(task: dict, actions: Sequence[str]) -> list[Check]:
         )
     )
     checks.append(
-        Check(
+        _process_check(
             "Every action is valid on its page",
             "Every action is one the current page accepts (no error observation).",
-            -1 if invalid else 1,
-            invalid or list(range(1, len(actions) + 1)),
-            f"error observations at steps {invalid}" if invalid else "no error observation",
-            process=True,
+            invalid,
+            len(actions),
+            "error observation",
         )
     )
     return checks
@@ -207,13 +213,12 @@ def terminal_checks(task: dict, actions: Sequence[str]) -> list[Check]:
         )
     )
     checks.append(
-        Check(
+        _process_check(
             "Commands run without shell errors",
             "No command fails with a shell error (unknown command, missing file, bad operand).",
-            -1 if errors else 1,
-            errors or list(range(1, len(commands) + 1)),
-            f"shell errors at steps {errors}" if errors else "no shell error",
-            process=True,
+            errors,
+            len(commands),
+            "shell error",
         )
     )
     return checks
@@ -256,13 +261,12 @@ def search_checks(task: dict, actions: Sequence[str]) -> list[Check]:
         )
     )
     checks.append(
-        Check(
+        _process_check(
             "Every turn has a valid action",
             "Every turn contains a well-formed search[...] or answer[...] action.",
-            -1 if invalid else 1,
-            invalid or list(range(1, len(actions) + 1)),
-            f"error observations at steps {invalid}" if invalid else "no error observation",
-            process=True,
+            invalid,
+            len(actions),
+            "error observation",
         )
     )
     return checks

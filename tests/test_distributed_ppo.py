@@ -56,7 +56,7 @@ def main(folder: str, out: str, workdir: str, critic: str | None = None) -> None
     `critic` is an optional `critic_model_name_or_path` (e.g. 'policy'; by hand: the separate critic under DDP)."""
     import torch
     from accelerate.utils import gather_object
-    from conftest import EchoEnv
+    from conftest import CPU_ARGS, EchoEnv
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -78,13 +78,7 @@ def main(folder: str, out: str, workdir: str, critic: str | None = None) -> None
         top_k=1,  # deterministic sampling: both launches play the same episodes
         max_steps=1,
         learning_rate=1e-3,
-        report_to="none",
-        seed=0,
-        bf16=False,
-        use_cpu=True,
-        activation_checkpointing=False,
-        save_strategy="no",
-        logging_steps=1,
+        **CPU_ARGS,
         gamma=0.9,
         lam=0.8,
         critic_model_name_or_path=critic,
