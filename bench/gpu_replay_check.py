@@ -3,7 +3,7 @@
     python bench/gpu_replay_check.py            # checks 1 and 2 (needs CUDA)
     torchrun --standalone --nproc_per_node 1 bench/gpu_replay_check.py --vllm   # check 3 (needs vLLM)
 
-1. bf16 sampler vs fp32 trainer (specs/routing-replay.md §7, GPU checks): a tiny random Qwen3-MoE samples in bf16 on
+1. bf16 sampler vs fp32 trainer (routing-replay.md §7, GPU checks): a tiny random Qwen3-MoE samples in bf16 on
    cuda with routes recorded; an fp32 copy scores the sampled tokens with free routing and with index replay (Eq. 3).
    Reports max and mean |delta log p| over completion tokens and the flip rate of free routing (Eq. 9).
    PASS: zero flips in the experts the fp32 replayed forward used, and a mean gap with replay no larger than without

@@ -7,7 +7,7 @@ Two short GRPO runs on the shop environment, same seed and data, `routing_replay
 batch is trained on for `--lag` optimizer steps (`steps_per_generation = lag`, GA = 1), so the policy lags the sampler
 by 0 .. lag-1 updates. Rewards: the environment's plus a dense shaping term (distinct characters), so the policy
 moves in a few steps; the MoE load-balancing loss is off in both runs (replay forces it off, D10). Measured
-(specs/routing-replay.md):
+(docs/methods/routing-replay.md):
 
 1. `routing/logp_gap` (Eq. 10): mean |old-policy log-prob - sampler log-prob| over model tokens, the old pass at the
    behaviour weights, as the trainer logs it.

@@ -1,8 +1,8 @@
 """Model judges: an API judge over the `openai` client and an in-process self-judge, behind one async `score`.
 
 A judge turns chat `messages` into an instance of a pydantic `schema`, or `None` when it cannot (the row is then
-unscorable, as TRL treats a `None` reward). It never raises into the training loop. Specs: `specs/draco.md` §4.5–4.7
-(self-judge votes, client, failures, timeouts, Eq. 11 cost) and `specs/t1.md` §4.6 (auditor output contract).
+unscorable, as TRL treats a `None` reward). It never raises into the training loop. See docs/methods/draco.md §4.5-4.7
+(self-judge votes, client, failures, timeouts, Eq. 11 cost) and `docs/methods/t1.md` §4.6 (auditor output contract).
 
 What the API judge (`Judge`) does:
 
@@ -28,7 +28,7 @@ event loop and `judge.score_sync(...)` works from plain code, even code already 
 `LocalModelJudge` is the self-judge of DRACO §4.5: the same interface, answered by a transformers model and tokenizer
 in a worker thread (chat template, sampled at temperature 0.6 / top-p 0.95 by default). It has no cache, because the
 policy it wraps changes every step (DRACO D9). `combine_votes` is the pure k-sample combining rule (DRACO Eq. 10 as
-amended by CLARIFICATIONS.md C10).
+amended by conventions.md C10).
 
 Deliberately left out: streaming, tool calls, `n > 1` sampling in one request (votes are separate requests with
 distinct cache keys), input-budget shortening (the rubric stages own their prompts), and per-phase bookkeeping (use
@@ -231,7 +231,7 @@ def call_cost_usd(
     price_cached_per_mtok: float,
     price_output_per_mtok: float,
 ) -> float:
-    """USD of one call, Eq. 11 of `specs/draco.md`: [(u_in − u_cached)·π_in + u_cached·π_cached + u_out·π_out] / 1e6.
+    """USD of one call, docs/methods/draco.md Eq. 11: [(u_in − u_cached)·π_in + u_cached·π_cached + u_out·π_out] / 1e6.
 
     >>> call_cost_usd(1000, 400, 200, 2.0, 0.5, 8.0)  # (600*2 + 400*0.5 + 200*8) / 1e6
     0.003
@@ -246,7 +246,7 @@ def combine_votes(
 ) -> dict[K, int] | None:
     """Combine k per-criterion verdicts (+1 pass, −1 fail, 0 not applicable); `None` marks a sample that did not parse.
 
-    `rule="all"` is DRACO Eq. 10 as amended by CLARIFICATIONS.md C10: a criterion passes only if every one of the k
+    `rule="all"` is DRACO Eq. 10 as amended by conventions.md C10: a criterion passes only if every one of the k
     samples parsed and passed it; it fails if any parsed sample failed it; otherwise it is not applicable.
     `rule="majority"`: pass if more than k/2 samples pass it, fail if more than k/2 fail it, else not applicable.
     Criteria are those of `criteria` plus any a parsed sample mentions; one no sample mentions is 0.

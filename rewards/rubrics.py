@@ -7,7 +7,7 @@ The stages of one task group (draco.md §4.3), all async with bounded concurrenc
 2. **S2, trajectory rubric** per rollout, anchored on what that rollout got wrong (at most 10);
 3. **union**, one merged rubric per group (at most 24), with a deterministic fallback merge;
 4. **scoring** of every rollout: +1 satisfied / −1 violated / 0 not applicable per criterion (k votes combined by
-   Eq. 10 / CLARIFICATIONS.md C10 when the judge votes);
+   Eq. 10 / conventions.md C10 when the judge votes);
 5. **discriminative dropout** (Eq. 1) and the **outcome-blind reward** R = (p − f)/(p + f) (Eq. 2);
 6. **credit**, per rollout with A ≠ 0: a final PASS/FAIL/NOT_APPLICABLE per surviving criterion with the steps
    (numbered from 1) causally responsible for it. The trainer turns these into step weights (`trainers/advantages.py`).
@@ -207,7 +207,7 @@ def check_attributions(
     result: Attributions, criteria: Sequence[Criterion], num_steps: int
 ) -> tuple[list[int | None], list[list[int]], str | None]:
     """Match credit entries by `rubric_index` (1-based), checked by title (or by title alone when the index is
-    wrong). Steps outside 1..num_steps are dropped and repeats kept once (CLARIFICATIONS.md C9). Returns the verdict
+    wrong). Steps outside 1..num_steps are dropped and repeats kept once (conventions.md C9). Returns the verdict
     per criterion (+1/−1/0, None where missing), the cited steps and an error for the re-ask (a PASS or FAIL citing
     no valid step, a missing or unknown entry) or None."""
     titles = [normalize_title(c.title) for c in criteria]

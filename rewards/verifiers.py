@@ -5,7 +5,7 @@ lists with one entry per row) and return one float per row, or `None` when the r
 unscorable, as TRL treats `None`). They know nothing about trainers.
 
 * `assertion_count_reward`: the dense T1 reward r = P / S (t1.md Eq. 1) with the binary fallback (Eq. 2, D9) and the
-  fallback causes tagged in the order of CLARIFICATIONS.md C20.
+  fallback causes tagged in the order of conventions.md C20.
 * `assertion_blend_reward`: the ablation-only variant r = clip(max(b, 0.4 P/A), 0, max(1, b)) (t1.md Eq. 3).
 * `binary_success_reward`: r = b, the pass/fail of the whole verifier (the critic warm-up reward, t1.md D3).
 * `tito_mismatch_count`: the drift count of t1.md Eq. 17 (must be 0); `retokenization_mismatch_count`: how many loss
@@ -28,12 +28,12 @@ FALLBACK_CAUSES = (
     "parse_error",
     "zero_assertions",
     "inconsistent",
-)  # CLARIFICATIONS.md C20: the first that matches wins; otherwise the cause is "count"
+)  # conventions.md C20: the first that matches wins; otherwise the cause is "count"
 VERIFIER_STATUSES = ("ok", "infra_dropped", "verifier_error", "no_report", "parse_error")
 
 
 def assertion_reward_cause(passed: int | None, total: int | None, status: str | None = None) -> str:
-    """The reward cause of one trial (t1.md D9), tagged by the first that matches (CLARIFICATIONS.md C20):
+    """The reward cause of one trial (t1.md D9), tagged by the first that matches (conventions.md C20):
     infrastructure dropped, verifier error, no report, parse error, zero assertions, inconsistent, count.
 
     `status` is what the environment or harness knows and the counts cannot show: `"infra_dropped"` (a sandbox or
@@ -126,7 +126,7 @@ def assertion_count_reward(
     (default 20, t1.md D10; bind another value with `functools.partial` plus `functools.update_wrapper`, never from a
     batch). Rewards above 1 are allowed and never clipped (D11). When the per-assertion report is unusable the row gets
     the binary pass b; a verifier error gives 0; an infrastructure fault gives `None` (the trainer must also drop the
-    row from the loss). Causes follow CLARIFICATIONS.md C20 (`assertion_reward_cause`).
+    row from the loss). Causes follow conventions.md C20 (`assertion_reward_cause`).
 
     Per-row inputs are the columns `assertions_passed`, `assertions_total`, `success` (b) and `verifier_status`; a
     column that is absent is read from the rollout's `final_info` dict (the terminal environment's `info`). With

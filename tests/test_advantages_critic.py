@@ -1,7 +1,7 @@
 """Layer 1: the critic-based estimators in `trainers/advantages.py` (token GAE for PPO/T1, MPO's two-scale GAE) and the
 critic diagnostics (explained variance, value-variance shares, whitening). Hand-computed examples with the arithmetic
 in comments, then seeded property tests against plain-Python references on the compressed model-token sequence
-(`specs/t1.md` §7 items 6-12, 22-24; `specs/mpo.md` §7 items 1-11, 20-22)."""
+(`docs/methods/t1.md` §7 items 6-12, 22-24; `docs/methods/mpo.md` §7 items 1-11, 20-22)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Layer 1: the shared credit interface (credit-interface.md Eq. I-2..I-5, invariants G1-G9, §7 fallbacks, §9
-property suite) and DRACO's step weights (draco.md Eq. 4-9, CLARIFICATIONS.md C8, C9, C11), on hand-computed
+property suite) and DRACO's step weights (draco.md Eq. 4-9, conventions.md C8, C9, C11), on hand-computed
 examples and on seeded random batches."""
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def test_parse_retry_after():
 
 
 def test_combine_votes_all_rule_c10():
-    # DRACO §7 item 20, under CLARIFICATIONS C10
+    # DRACO §7 item 20, under conventions.md C10
     assert combine_votes([{"c": 1}, {"c": 1}, {"c": 1}]) == {"c": PASS}
     assert combine_votes([{"c": 1}, {"c": 1}, {"c": -1}]) == {"c": FAIL}
     assert combine_votes([{"c": 1}, {"c": 0}, {"c": 1}]) == {"c": NOT_APPLICABLE}

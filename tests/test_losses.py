@@ -1,6 +1,6 @@
 """Layer 1: ratios, surrogates, value loss and aggregation in `trainers/losses.py`. Hand-computed values with the
-arithmetic in comments and gradient-flow assertions (what must and must not receive gradient): `specs/mpo.md` §7
-items 12-19, `specs/t1.md` §7 items 13-15 and 21."""
+arithmetic in comments and gradient-flow assertions (what must and must not receive gradient): `docs/methods/mpo.md` §7
+items 12-19, `docs/methods/t1.md` §7 items 13-15 and 21."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Routing replay (R3) inside AgentGRPOTrainer (`specs/routing-replay.md` §7 items 3, 4, 9, 11, 13-16, in a trainer).
+"""Routing replay (R3) inside AgentGRPOTrainer (routing-replay.md §7 items 3, 4, 9, 11, 13-16, in a trainer).
 
 A tiny Qwen3-MoE (hidden 32, 2 layers, 8 experts, top-2) is built in-process with `envs.tiny.build_model` (no SFT) and
 its routers drawn from N(0, 0.5), since Qwen3-MoE zero-initialises them and every token would tie. Everything runs in

@@ -1,4 +1,4 @@
-"""Tests of MoE rollout routing replay (`trainers/routing_replay.py`; properties from `specs/routing-replay.md` §7).
+"""Tests of MoE rollout routing replay (`trainers/routing_replay.py`; properties: docs/methods/routing-replay.md §7).
 
 Tiny MoE models are built in-process (hidden 64, 2 layers, 8 experts, top-2; Qwen3-MoE with and without
 `norm_topk_prob`, Mixtral, OLMoE), in fp32 and eval mode, with routers drawn from N(0, 0.5) because Qwen3-MoE and

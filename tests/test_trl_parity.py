@@ -78,7 +78,7 @@ def test_default_hooks_reproduce_stock_grpo(tiny_model_folder, tmp_path, scale_r
     mask = out["completion_mask"].bool()
     assert out["advantages"].shape == out["completion_ids"].shape  # (B, T)
     expected = ref["advantages"].unsqueeze(1).expand_as(out["advantages"])
-    torch.testing.assert_close(out["advantages"][mask], expected[mask], rtol=1e-6, atol=1e-7)  # CLARIFICATIONS C1
+    torch.testing.assert_close(out["advantages"][mask], expected[mask], rtol=1e-6, atol=1e-7)  # conventions.md C1
     assert (out["advantages"][~mask] == 0).all()
     assert ref["advantages"].abs().sum() > 0  # the comparison is not between two zero tensors
     loss_ref = stock.compute_loss(stock.model, ref)

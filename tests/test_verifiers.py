@@ -1,5 +1,5 @@
-"""Layer 2: the T1 rewards and token-in/token-out audit counters in `rewards/verifiers.py` (`specs/t1.md` §7 items 1-5,
-25, 30-31; CLARIFICATIONS.md C20)."""
+"""Layer 2: the T1 rewards and token-in/token-out audit counters in `rewards/verifiers.py` (docs/methods/t1.md §7
+items 1-5, 25, 30-31; conventions.md C20)."""
 
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ Conventions (DESIGN.md, the rollout-batch contract). B rows, T completion tokens
   row has no turn k; pass `turn_valid` (B, K) to say which turns exist when padding columns hold 0.
 * `values` (B, T): critic value of the state before each completion token (aligned like log-probs).
 * `truncated` (B,) bool: the episode was cut by a budget (bootstrap from the value after it) rather than ended by the
-  environment (terminal value 0), CLARIFICATIONS.md C4.
+  environment (terminal value 0), conventions.md C4.
 
 All arithmetic runs in float64 and results are cast to the dtype of `values` (or of the main input) at the end
-(CLARIFICATIONS.md C2). Nothing here keeps a graph: outputs are computed under `torch.no_grad()`.
+(conventions.md C2). Nothing here keeps a graph: outputs are computed under `torch.no_grad()`.
 
 Sources: T1, https://huggingface.co/papers/2609.11042 (`t1.md`); MPO, no arXiv id yet (`mpo.md`, a reconstruction).
 """
@@ -98,7 +98,7 @@ def bootstrap_values(values: Tensor, valid_mask: Tensor) -> Tensor:
 
 @torch.no_grad()
 def place_turn_rewards(turn_rewards: Tensor, turn_index: Tensor, mask: Tensor) -> Tensor:
-    """Per-token rewards: turn k's reward on the last model token of turn k (CLARIFICATIONS.md C3).
+    """Per-token rewards: turn k's reward on the last model token of turn k (conventions.md C3).
 
     r_tok[b, t] = r[b, k] if t is the last model token of turn k, else 0. A turn with no model token (cut, C7) passes
     its reward to the last model token of the nearest earlier turn; with no earlier model token it is dropped. NaN
@@ -177,7 +177,7 @@ def token_gae(
 
         delta_j = r_j + gamma * V_{j+1} - V_j,    A_j = sum_{n >= 0} (gamma * lam)^n * delta_{j+n},    R_j = A_j + V_j
 
-    with V_{M+1} = 0 for terminated rows and `boot_value` for truncated rows (CLARIFICATIONS.md C4; the T1 recipe
+    with V_{M+1} = 0 for terminated rows and `boot_value` for truncated rows (conventions.md C4; the T1 recipe
     passes `truncated` all false, t1.md D8). With gamma = lam = 1 this gives A_j = sum(r) - V_j and R_j = sum(r)
     (t1.md Eq. 9). Rewards on environment tokens are ignored: place them with `place_turn_rewards` or
     `place_outcome_reward`. Rows without model tokens get zeros (C6).
@@ -266,7 +266,7 @@ def turn_gae(
         G_k = r_k + gamma * G_{k+1},                 V_{K+1} = G_{K+1} = terminal value.
 
     A turn with no model token (NaN in `turn_values`, cut by truncation) still counts as a step for discounting
-    (CLARIFICATIONS.md C7): its value is taken as its own one-step target V_k := r_k + gamma * V_{k+1}, so delta_k = 0
+    (conventions.md C7): its value is taken as its own one-step target V_k := r_k + gamma * V_{k+1}, so delta_k = 0
     and its reward flows into the earlier turns. The columns after a row's last turn are ignored; the last turn is the
     last column that has a model token or is marked in `turn_valid` (or, without `turn_valid`, has a finite reward).
 
@@ -805,7 +805,7 @@ def token_budget_multipliers(weights: Tensor, turn_tokens: Tensor, turn_valid: T
     m_{b,k} = N_b · w_{b,k} / (n_{b,k} · Σ_j w_{b,j}), so that Σ_k n_{b,k} · m_{b,k} = N_b.
 
     Only turns with n ≥ 1 take part (a turn cut to no token has nothing to carry its share, C7). A row whose weights
-    sum to ≤ 1e-12 (§8.2) returns m = 0 and is flagged for fallback (`zero_weight_sum`, CLARIFICATIONS.md C8).
+    sum to ≤ 1e-12 (§8.2) returns m = 0 and is flagged for fallback (`zero_weight_sum`, conventions.md C8).
 
     Args:
         weights (`Tensor`): (B, K) w ≥ 0.
@@ -834,7 +834,7 @@ def token_budget_multipliers(weights: Tensor, turn_tokens: Tensor, turn_valid: T
 def draco_citations(cited_steps: list[list[list[int]]], num_turns: int, num_criteria: int | None = None) -> Tensor:
     """Z (B, C, K) bool from 1-based step citations per row and criterion: step j is turn j - 1 (draco.md §3).
 
-    CLARIFICATIONS.md C9: a step cited twice by one criterion counts once; steps outside 1..num_turns are dropped.
+    conventions.md C9: a step cited twice by one criterion counts once; steps outside 1..num_turns are dropped.
 
     >>> draco_citations([[[1, 1, 3], [9]]], num_turns=3).int().tolist()
     [[[1, 0, 1], [0, 0, 0]]]
@@ -899,7 +899,7 @@ def draco_advantages(
     """DRACO's per-token advantages, draco.md Eq. 4-9, through the shared interface (Eq. I-4 then Eq. I-2):
     a_j = A · N · w_j / (n_j · Σ_k w_k) on every loss token of step j (Eq. 7), 0 on tokens in no step.
 
-    Fallback to the plain GRPO broadcast (Eq. 9, CLARIFICATIONS.md C8), with the reason logged: the producer's rows
+    Fallback to the plain GRPO broadcast (Eq. 9, conventions.md C8), with the reason logged: the producer's rows
     (`row_fallback`, e.g. `judge_failure`, `group_skipped`); no valid step cited (`no_citation`); Σw = 0
     (`zero_weight_sum`: a winner cited only by FAILs, a loser cited only by PASSes). Rows with A = 0 are exact zeros
     (G5; draco.md D10 skips their credit call), and are not counted as fallbacks. Equal weights give equal step

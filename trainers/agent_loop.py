@@ -22,7 +22,7 @@ Returned per rollout (the data contract of DESIGN.md): `prompt_ids`, `completion
 `turn_index`, `turn_rewards` (K), `state_keys` (K, the state before each turn), `transcript` (per turn: action,
 observation, reward), `env_reward`, `success`, `truncated`, `final_info`.
 
-MoE routing replay (R3, `specs/routing-replay.md`): a generation backend may also return, per context, the route
+MoE routing replay (R3, `docs/methods/routing-replay.md`): a generation backend may also return, per context, the route
 record of that call (`hf_generate(..., record_routes=True)`); `play` then keeps one record per rollout, stitched over
 turns by the first-computation rule (D5), of N_b - 1 rows for its N_b = prompt + completion tokens (`Rollout.routes`).
 """

@@ -11,13 +11,13 @@ What it adds to `trl.GRPOTrainer` (TRL 1.16.0):
 3. `policy_loss(model, inputs)`, the second hook, is called from `_compute_loss`; the default is TRL's own loss.
    Subclasses build theirs from `forward_logps` (the one copy of TRL's forward setup) and pure functions of
    `trainers/losses.py`.
-4. `routing_replay: true` (MoE policies, `specs/routing-replay.md`, R3): the agent loop records every router's top-k
-   expert ids during HF generation; the per-row records (stitched over turns, D5) are laid out in TRL's training
+4. `routing_replay: true` (MoE policies, R3, docs/methods/routing-replay.md): the agent loop records every router's
+   top-k expert ids during HF generation; the per-row records (stitched over turns, D5) are laid out in TRL's training
    layout as the batch-first `routing` (B, S, L, k) tensor of the batch, so TRL shuffles and splits it with the rows
-   (D4). The policy's own log-prob forwards (old-log-prob pass, actor forward and its checkpoint recompute) replay
-   the recorded selection with gate weights from the live router logits (Eq. 3); the reference pass (a separate
-   model, or the PEFT policy with adapters disabled), a separate critic and generation route freely (D7). The
-   load-balancing loss and Mixtral jitter are forced to 0 (D10). Unsupported setups raise at init (D1, D12, D13).
+   (D4). The policy's own log-prob forwards (old-log-prob pass, actor forward and its checkpoint recompute) replay the
+   recorded selection with gate weights from the live router logits (Eq. 3); the reference pass (a separate model, or
+   the PEFT policy with adapters disabled), a separate critic and generation route freely (D7). The load-balancing loss
+   and Mixtral jitter are forced to 0 (D10). Unsupported setups raise at init (D1, D12, D13).
 
 Private TRL methods overridden here, pinned by `tests/test_trl_parity.py`: `_generate_and_score_completions`,
 `_calculate_rewards`, `_compute_loss`, `_get_per_token_logps_and_entropies` (plus the public `training_step`).
@@ -103,10 +103,11 @@ class AgentGRPOConfig(GRPOConfig):
     routing_replay: bool = field(
         default=False,
         metadata={
-            "help": "MoE rollout routing replay (R3, specs/routing-replay.md): record the experts the sampler chose "
-            "in the agent loop and replay them in the old-policy and actor log-prob forwards (gate weights from the "
-            "live router logits, so the router keeps its gradient). Forces router_aux_loss_coef and Mixtral router "
-            "jitter to 0. A no-op for dense models; needs env_factory and HF generation (no vLLM); works with LoRA."
+            "help": "MoE rollout routing replay (R3, docs/methods/routing-replay.md): record the experts the sampler "
+            "chose in the agent loop and replay them in the old-policy and actor log-prob forwards (gate weights "
+            "from the live router logits, so the router keeps its gradient). Forces router_aux_loss_coef and Mixtral "
+            "router jitter to 0. A no-op for dense models; needs env_factory and HF generation (no vLLM); works with "
+            "LoRA."
         },
     )
 
@@ -399,7 +400,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         return out
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Routing replay (specs/routing-replay.md)
+    # Routing replay (docs/methods/routing-replay.md)
     def _rollout_func(self, prompts: list, trainer) -> dict[str, list]:
         """TRL's `rollout_func`: the agent loop; route records stay on the trainer, where the old-log-prob pass that
         TRL runs before merging rollout fields into the rows finds them (D7)."""

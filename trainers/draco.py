@@ -1,4 +1,5 @@
-"""DRACO: dynamic-rubric rewards with step-level credit, https://huggingface.co/papers/2609.04094 (`specs/draco.md`).
+"""DRACO: dynamic-rubric rewards with step-level credit, https://huggingface.co/papers/2609.04094,
+docs/methods/draco.md.
 
 Changes relative to GRPO:
 1. Outcome-blind reward: the environment's success is never used; `rewards.rubrics.DracoReward` builds one dynamic
@@ -45,7 +46,7 @@ BACKENDS = ("oracle", "openai", "self")
 
 @dataclass
 class DRACOConfig(AgentGRPOConfig):
-    """AgentGRPOConfig plus DRACO's judge settings (`specs/draco.md` §4.6, §5)."""
+    """AgentGRPOConfig plus DRACO's judge settings (`docs/methods/draco.md` §4.6, §5)."""
 
     judge_backend: str = field(
         default="oracle", metadata={"help": "Judge: `oracle` (ground truth, no LLM), `openai` (endpoint) or `self`."}

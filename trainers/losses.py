@@ -6,7 +6,7 @@ returned as (B, T) tensors that are exactly 0 off the mask (C6), and environment
 aggregate them with `masked_token_mean`. Inputs off the mask may hold anything finite or not (padding log-probs, NaN
 advantages): they are replaced by 0 before any arithmetic, so they never leak NaN into values or gradients.
 
-Arithmetic runs in float64 and the result is cast back to the dtype of the main input (CLARIFICATIONS.md C2); the
+Arithmetic runs in float64 and the result is cast back to the dtype of the main input (conventions.md C2); the
 casts are differentiable.
 
 Sources: T1, https://huggingface.co/papers/2609.11042 (`t1.md`: token ratio, clipped actor and critic losses); MPO,

@@ -1,5 +1,6 @@
-"""MPO, Multiscale Policy Optimization for long-horizon agents (IQuest Research; no arXiv id yet; `specs/mpo.md`, a
-reconstruction from the published description). Built on the PPO trainer, the one deliberate second base.
+"""MPO, Multiscale Policy Optimization for long-horizon agents (IQuest Research; no arXiv id yet;
+docs/methods/mpo.md, a reconstruction from the published description). Built on the PPO trainer, the one
+deliberate second base.
 
 What changes relative to GRPO (and to `AgentPPOTrainer`, whose critic, value loss and T1 options it keeps):
 

@@ -1,7 +1,7 @@
 """PPO for agents: a learned critic, token GAE over model tokens, clipped surrogate and clipped value loss; T1's critic
 practices as options. The one deliberate second base (STYLE.md principle 2): `trainers/mpo.py` builds on it.
 
-T1: https://huggingface.co/papers/2609.11042 (`specs/t1.md`). PPO: https://huggingface.co/papers/1707.06347.
+T1: https://huggingface.co/papers/2609.11042 (`docs/methods/t1.md`). PPO: https://huggingface.co/papers/1707.06347.
 
 What changes relative to GRPO (`AgentGRPOTrainer`):
 
@@ -13,7 +13,7 @@ What changes relative to GRPO (`AgentGRPOTrainer`):
    completion token t is the state before it, `values[:, :-1][:, -T:]`.
 2. **Token GAE over model tokens only** (t1.md Eq. 6-8): environment tokens are not time steps, the recursion skips
    them. Per-turn environment rewards sit on the last model token of their turn, a trajectory reward on the last
-   model token of the row (CLARIFICATIONS.md C3). Truncated episodes bootstrap from the value of the state after the
+   model token of the row (conventions.md C3). Truncated episodes bootstrap from the value of the state after the
    last token, terminated ones use 0 (C4); `bootstrap_truncated: false` treats every episode as terminated (T1, D8).
 3. **Old values V^old** come from a no-grad forward right after generation (before any update on the batch) and reach
    the loss as `old_values` and `returns` in `batch.extras`.
@@ -233,7 +233,7 @@ class AgentPPOTrainer(AgentGRPOTrainer):
     # Rewards and masks
     def turn_reward_matrix(self, batch: RolloutBatch) -> Tensor:
         """(B, K) float64 rewards per turn: the environment's per-turn rewards, or the trajectory reward on the last
-        turn (mpo.md Eq. 4; CLARIFICATIONS.md C3). NaN (unscorable) rewards become 0; such rows carry no loss."""
+        turn (mpo.md Eq. 4; conventions.md C3). NaN (unscorable) rewards become 0; such rows carry no loss."""
         if self.per_turn_rewards:
             return batch.turn_rewards.to(torch.float64)
         B, K = batch.turn_valid.shape

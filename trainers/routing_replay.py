@@ -1,4 +1,4 @@
-"""MoE rollout routing replay (R3), https://huggingface.co/papers/2510.11370, specified in `specs/routing-replay.md`.
+"""MoE rollout routing replay (R3), https://huggingface.co/papers/2510.11370; docs/methods/routing-replay.md.
 
 The sampler records which experts every MoE router chose for every input position; the trainer's own log-prob
 forwards (old-log-prob pass, actor forward and its checkpoint recompute) then reuse that *selection* while the gate
