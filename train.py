@@ -140,3 +140,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # without this gloo's threads can abort the process at exit (SIGABRT)
+        torch.distributed.destroy_process_group()

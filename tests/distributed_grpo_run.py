@@ -103,3 +103,5 @@ def main(folder: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    if torch.distributed.is_initialized():  # without this gloo's threads can abort the process at exit (SIGABRT)
+        torch.distributed.destroy_process_group()

@@ -119,3 +119,7 @@ def main(folder: str, out: str, workdir: str, critic: str | None = None) -> None
 
 if __name__ == "__main__":
     main(*sys.argv[1:5])
+    import torch
+
+    if torch.distributed.is_initialized():  # without this gloo's threads can abort the process at exit (SIGABRT)
+        torch.distributed.destroy_process_group()
