@@ -9,7 +9,13 @@ generation batch, G = 2), after one untimed warm-up step (first-call costs). The
 `train_runtime` (generation, rewards, advantages, losses, optimizer steps), so model loading and trainer construction
 are not counted. Methods run with their own defaults: PPO with a value head on the policy's backbone (one extra no-grad
 forward per generation batch), MPO with a separate critic model (a second backbone forward and backward). Prints a
-markdown table of seconds per step and ratios.
+markdown table of seconds per step and ratios. The README's figures come from
+
+    python bench/overhead.py --steps 30 --model tiny:shop --batch_size 32 --max_completion_length 256 \
+        --max_turn_tokens 24
+
+and are written to bench/results/overhead/result.json (each method's `train_runtime` and s/step, the warm-up's, the
+settings, library versions and machine) and result.md (the table), or into `--out`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from bench.record import RESULTS, write_result  # noqa: E402
 from envs import ENVIRONMENTS  # noqa: E402
 from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, demonstrations, is_tiny, tiny_model  # noqa: E402
 from train import make_dataset  # noqa: E402
@@ -84,6 +91,17 @@ def step_seconds(method: str, folder: str, env: str, opts: argparse.Namespace, w
     return (runtime if runtime is not None else time.perf_counter() - start) / opts.steps
 
 
+def report(seconds: dict[str, float], opts: argparse.Namespace) -> str:
+    """The console text and result.md: the settings line and the table of s/step and ratios vs GRPO."""
+    lines = [
+        f"{opts.steps} steps on {opts.env}, model {opts.model}, {opts.batch_size} x 2 rows per generation batch\n",
+        "| method | s/step | ratio vs GRPO |\n| --- | ---: | ---: |",
+    ]
+    for method in seconds:
+        lines.append(f"| {method} | {seconds[method]:.3f} | {seconds[method] / seconds['grpo']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per method")
@@ -92,18 +110,27 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--batch_size", type=int, default=16, help="rows per minibatch (2 minibatches per generation)")
     parser.add_argument("--max_completion_length", type=int, default=128)
     parser.add_argument("--max_turn_tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=RESULTS / "overhead", help="folder for result.json and result.md")
     opts = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as workdir:
         if opts.model == "random":
             folder = random_model(opts.env, os.path.join(workdir, "model"))
         else:
             folder = tiny_model(opts.model) if is_tiny(opts.model) else opts.model
-        step_seconds("grpo", folder, opts.env, argparse.Namespace(**{**vars(opts), "steps": 1}), workdir)  # warm-up
+        warmup = step_seconds("grpo", folder, opts.env, argparse.Namespace(**{**vars(opts), "steps": 1}), workdir)
         seconds = {m: step_seconds(m, folder, opts.env, opts, workdir) for m in METHODS}
-    print(f"\n{opts.steps} steps on {opts.env}, model {opts.model}, {opts.batch_size} x 2 rows per generation batch\n")
-    print("| method | s/step | ratio vs GRPO |\n| --- | ---: | ---: |")
-    for method in METHODS:
-        print(f"| {method} | {seconds[method]:.3f} | {seconds[method] / seconds['grpo']:.2f} |")
+    text = report(seconds, opts)
+    print("\n" + text)
+    measured = {
+        "seconds_per_step": seconds,
+        "train_runtime_s": {m: s * opts.steps for m, s in seconds.items()},
+        "ratio_vs_grpo": {m: s / seconds["grpo"] for m, s in seconds.items()},
+        "warmup_grpo_s": warmup,  # one untimed-for-the-table GRPO step before the measured runs
+        "model": folder if opts.model != "random" else "random (temporary folder)",
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+    written = write_result(opts.out, "overhead", vars(opts) | {"out": str(opts.out)}, measured, text)
+    print(f"\nwrote {' and '.join(map(str, written))}", file=sys.stderr)
     return seconds
 
 

@@ -24,6 +24,9 @@ TRL's `parse_response` falls back to plain text, which ends the episode. With a 
 turns per episode; the turns/s and model tokens/s columns normalise for that.
 
     HF_HUB_OFFLINE=1 python bench/rollout.py --episodes 64 --repeats 3
+
+Writes bench/results/rollout/result.json (every timed call's seconds, turns, model tokens and rewards per episode,
+the warm-up times, the settings, library versions and machine) and result.md (the table above), or into `--out`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
+
+from bench.record import RESULTS, write_result  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "CPU, then cached; 150 builds in about 5 and plays alike)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--out", type=Path, default=RESULTS / "rollout", help="folder for result.json and result.md")
     args = p.parse_args(argv)
     if args.episodes % args.group_size:
         p.error("--episodes must be a multiple of --group-size")
@@ -140,7 +146,53 @@ def build_trainers(args: argparse.Namespace, folder: str, rows: list[dict]):
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def summarise(runs: list[dict], episodes: int) -> dict:
+    """Per loop: the timed calls' seconds, episodes/s of their median, and turns, tokens, success and reward over all
+    repeats' episodes; plus the two ratios of medians. `runs` holds one record per timed call (see `main`)."""
+    loops: dict[str, dict] = {}
+    for name in dict.fromkeys(run["loop"] for run in runs):
+        mine = [run for run in runs if run["loop"] == name]
+        times = [run["seconds"] for run in mine]
+        turns = [t for run in mine for t in run["turns"]]
+        tokens = [t for run in mine for t in run["model_tokens"]]
+        rewards = [r for run in mine for r in run["rewards"]]
+        eps = episodes / statistics.median(times)
+        loops[name] = {
+            "times_s": times,
+            "median_s": statistics.median(times),
+            "episodes_per_s": eps,
+            "turns_per_episode": statistics.mean(turns),
+            "turns_per_s": eps * statistics.mean(turns),
+            "model_tokens_per_s": eps * statistics.mean(tokens),
+            "success": statistics.mean(r == 1.0 for r in rewards),
+            "reward": statistics.mean(rewards),
+        }
+    ours, plain, trl = (loops[name]["episodes_per_s"] for name in loops)
+    return {"loops": loops, "ratio_ours_over_trl": ours / trl, "ratio_kv_reuse_over_no_reuse": ours / plain}
+
+
+def report(summary: dict, args: argparse.Namespace, model: str) -> str:
+    """The console text and result.md: settings line, the table, the two ratios."""
+    lines = [
+        f"{args.episodes} episodes x {args.repeats} repeats, G={args.group_size},"
+        f" {args.max_turn_tokens} tokens/turn, {args.max_turns} turns, {args.max_completion_length} tokens/episode,"
+        f" {args.threads} threads,"
+        f" model {Path(model).name}\n",
+        "| loop | episodes/s (median) | times (s) | turns/episode | turns/s | model tokens/s | success | reward |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in summary["loops"].items():
+        lines.append(
+            f"| {name} | {row['episodes_per_s']:.2f} | {', '.join(f'{t:.1f}' for t in row['times_s'])} | "
+            f"{row['turns_per_episode']:.2f} | {row['turns_per_s']:.1f} | {row['model_tokens_per_s']:.0f} | "
+            f"{row['success']:.3f} | {row['reward']:.3f} |"
+        )
+    lines.append(f"\nratio of medians (ours / TRL, episodes/s): {summary['ratio_ours_over_trl']:.2f}")
+    lines.append(f"ratio of medians (KV reuse / no reuse, episodes/s): {summary['ratio_kv_reuse_over_no_reuse']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from envs.shop_tools import make_rows, tiny_tool_model
@@ -148,58 +200,55 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     overrides = {} if args.sft_steps is None else {"sft_steps": args.sft_steps}
     folder = tiny_tool_model(difficulty=args.difficulty, seed=args.seed, **overrides)
-    print(f"tool model: {folder} ({time.perf_counter() - t0:.0f} s to build or load)", file=sys.stderr)
+    build_seconds = time.perf_counter() - t0
+    print(f"tool model: {folder} ({build_seconds:.0f} s to build or load)", file=sys.stderr)
 
     rows = make_rows("eval", args.episodes // args.group_size, seed=args.seed, difficulty=args.difficulty)
     inputs = [row for row in rows for _ in range(args.group_size)]  # RepeatSampler layout: each prompt G times
     loops = build_trainers(args, folder, rows)
 
-    for trainer, _ in loops.values():  # untimed warm-up: one group each
+    warmup: dict[str, float] = {}
+    for name, (trainer, _) in loops.items():  # untimed warm-up: one group each (its time is kept, not compared)
+        start = time.perf_counter()
         trainer._generate_and_score_completions([dict(x) for x in inputs[: args.group_size]])
+        warmup[name] = time.perf_counter() - start
 
-    times: dict[str, list[float]] = {name: [] for name in loops}
-    turns: dict[str, list[int]] = {name: [] for name in loops}
-    tokens: dict[str, list[int]] = {name: [] for name in loops}
-    rewards: dict[str, list[float]] = {name: [] for name in loops}
+    runs: list[dict] = []  # one record per timed call, in the order they ran
     prompts: dict[str, list[list[int]]] = {}
     names = list(loops)
     for r in range(args.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:  # alternate which loop goes first
+        for position, name in enumerate(names if r % 2 == 0 else names[::-1]):  # alternate which loop goes first
             trainer, read_rewards = loops[name]
             torch.manual_seed(args.seed + r)
             start = time.perf_counter()
             out = trainer._generate_and_score_completions([dict(x) for x in inputs])
-            times[name].append(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
             episode_turns, episode_tokens = turns_and_tokens(out)
-            turns[name] += episode_turns
-            tokens[name] += episode_tokens
             prompts[name] = [
                 ids[m.bool()].tolist() for ids, m in zip(out["prompt_ids"], out["prompt_mask"], strict=True)
             ]
-            rewards[name] += read_rewards(len(inputs))
-            print(f"repeat {r}: {name}: {times[name][-1]:.2f} s", file=sys.stderr)
+            runs.append(
+                {
+                    "repeat": r,
+                    "position": position,
+                    "loop": name,
+                    "seconds": seconds,
+                    "turns": episode_turns,
+                    "model_tokens": episode_tokens,
+                    "rewards": read_rewards(len(inputs)),
+                }
+            )
+            print(f"repeat {r}: {name}: {seconds:.2f} s", file=sys.stderr)
 
     if any(prompts[name] != prompts[names[0]] for name in names):
         raise RuntimeError("the loops rendered different prompt ids")
-    eps = {name: args.episodes / statistics.median(times[name]) for name in names}
-    ours_name, plain_name, trl_name = names
-    print(
-        f"\n{args.episodes} episodes x {args.repeats} repeats, G={args.group_size},"
-        f" {args.max_turn_tokens} tokens/turn, {args.max_turns} turns, {args.max_completion_length} tokens/episode,"
-        f" {args.threads} threads,"
-        f" model {Path(folder).name}\n"
-    )
-    print("| loop | episodes/s (median) | times (s) | turns/episode | turns/s | model tokens/s | success | reward |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name in names:
-        mean_turns, mean_tokens = statistics.mean(turns[name]), statistics.mean(tokens[name])
-        print(
-            f"| {name} | {eps[name]:.2f} | {', '.join(f'{t:.1f}' for t in times[name])} | {mean_turns:.2f} | "
-            f"{eps[name] * mean_turns:.1f} | {eps[name] * mean_tokens:.0f} | "
-            f"{statistics.mean(r == 1.0 for r in rewards[name]):.3f} | {statistics.mean(rewards[name]):.3f} |"
-        )
-    print(f"\nratio of medians (ours / TRL, episodes/s): {eps[ours_name] / eps[trl_name]:.2f}")
-    print(f"ratio of medians (KV reuse / no reuse, episodes/s): {eps[ours_name] / eps[plain_name]:.2f}")
+    summary = summarise(runs, args.episodes)
+    text = report(summary, args, folder)
+    print("\n" + text)
+    measured = {"model": folder, "model_build_seconds": build_seconds, "warmup_s": warmup, "runs": runs, **summary}
+    written = write_result(args.out, "rollout", vars(args) | {"out": str(args.out)}, measured, text)
+    print(f"\nwrote {' and '.join(map(str, written))}", file=sys.stderr)
+    return measured
 
 
 if __name__ == "__main__":

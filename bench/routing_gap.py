@@ -20,6 +20,10 @@ moves in a few steps; the MoE load-balancing loss is off in both runs (replay fo
 Limits: CPU and fp32 only (no bf16 here): sampler and trainer are the same fp32 model, so at lag 0 the gap is float
 noise with or without replay. The bf16-sampler vs fp32-trainer gap that R3 targets is measured by bench/gpu_check.sh
 on a GPU. A tiny model's numbers say nothing about a 30B MoE; compare replay on vs off within one setting.
+
+Writes bench/results/routing_gap/result.json (both runs: every micro-step's gap, flip rate and routing share per lag,
+every logged `routing/logp_gap`, the settings, library versions and machine) and result.md (the tables), or into
+`--out`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -42,6 +47,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
+from bench.record import RESULTS, write_result  # noqa: E402
 from envs import ENVIRONMENTS  # noqa: E402
 from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, demonstrations, tiny_model  # noqa: E402
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, env_reward  # noqa: E402
@@ -138,7 +144,9 @@ def run(folder: str, env: str, replay: bool, args: argparse.Namespace, out_dir: 
     return {
         "seconds": time.time() - start,
         "eq10_gap": sum(h["routing/logp_gap"] for h in logs) / max(1, len(logs)),
+        "eq10_gap_logged": [h["routing/logp_gap"] for h in logs],  # every logged step's value
         "lagged": {kind: {lag: sum(v) / len(v) for lag, v in sorted(d.items())} for kind, d in lagged.items()},
+        "lagged_values": {kind: dict(sorted(d.items())) for kind, d in lagged.items()},  # every micro-step's value
         "bytes_per_token": sizes[0]["routing/record_bytes_per_token"] if sizes else None,
         "record_mb": sum(h["routing/record_mb"] for h in sizes) / max(1, len(sizes)),
         "routers": (len(routers.modules), routers.top_k),
@@ -146,7 +154,44 @@ def run(folder: str, env: str, replay: bool, args: argparse.Namespace, out_dir: 
     }
 
 
-def main() -> None:
+def report(on: dict, off: dict, args: argparse.Namespace) -> str:
+    """The console text and result.md: the gap table, the stored-routes table and the wall times."""
+    lags = sorted(on["lagged"]["replay"])
+    lines = [
+        f"### Train-sampler log-prob gap, {args.model} on {args.env}, CPU fp32, {args.steps} steps, lag {args.lag}\n",
+        "| routing in the trainer | Eq. 10 gap (behaviour weights) | " + " | ".join(f"lag {k}" for k in lags) + " |",
+        "|---|---|" + "---|" * len(lags),
+    ]
+    rows = [
+        ("replay (R3), replay run", on["eq10_gap"], on["lagged"]["replay"]),
+        ("free, same weights and batch (replay run)", None, on["lagged"]["free"]),
+        ("free, run without replay", off["eq10_gap"], off["lagged"]["free"]),
+    ]
+    for name, eq10, lagged in rows:
+        eq10_text = "-" if eq10 is None else f"{eq10:.2e}"
+        lines.append(f"| {name} | {eq10_text} | " + " | ".join(f"{lagged[k]:.2e}" for k in lags) + " |")
+    share = on["lagged"]["routing"]
+    lines.append(
+        "| mean \\|replay - free\\| (same weights) | - | " + " | ".join(f"{share[k]:.2e}" for k in lags) + " |"
+    )
+    flips = on["lagged"]["flip"]
+    lines.append(
+        "| flip frac of free routing vs record (Eq. 9) | - | " + " | ".join(f"{flips[k]:.2%}" for k in lags) + " |"
+    )
+    lines += ["\n### Stored routes (Eq. 8, int16)\n", "| model | L x k | bytes per token | source |"]
+    lines.append("|---|---|---|---|")
+    layers, k = on["routers"]
+    lines.append(
+        f"| {args.model} | {layers} x {k} | {on['bytes_per_token']:.0f} | measured (routing/record_bytes_per_token), "
+        f"{on['record_mb'] * 1024:.1f} KiB per batch (routing/record_mb) |"
+    )
+    for name, (layers, k) in REFERENCE_MODELS.items():
+        lines.append(f"| {name} | {layers} x {k} | {layers * k * 2} | Eq. 8 from the public config |")
+    lines.append(f"\nwall time: replay {on['seconds']:.0f} s, no replay {off['seconds']:.0f} s (CPU, shared cores)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model", default="random", help="'random' (tiny Qwen3-MoE, no SFT), tiny-moe:<env>, a folder"
@@ -157,7 +202,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="rollouts per optimizer step")
     parser.add_argument("--group", type=int, default=8, help="num_generations (G)")
     parser.add_argument("--lr", type=float, default=1e-3)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "routing_gap", help="folder for result.json and .md")
+    args = parser.parse_args(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "random":
@@ -169,35 +215,15 @@ def main() -> None:
         }
 
     on, off = results[True], results[False]
-    lags = sorted(on["lagged"]["replay"])
-    print(
-        f"\n### Train-sampler log-prob gap, {args.model} on {args.env}, CPU fp32, {args.steps} steps, lag {args.lag}\n"
-    )
-    print("| routing in the trainer | Eq. 10 gap (behaviour weights) | " + " | ".join(f"lag {k}" for k in lags) + " |")
-    print("|---|---|" + "---|" * len(lags))
-    rows = [
-        ("replay (R3), replay run", on["eq10_gap"], on["lagged"]["replay"]),
-        ("free, same weights and batch (replay run)", None, on["lagged"]["free"]),
-        ("free, run without replay", off["eq10_gap"], off["lagged"]["free"]),
-    ]
-    for name, eq10, lagged in rows:
-        eq10_text = "-" if eq10 is None else f"{eq10:.2e}"
-        print(f"| {name} | {eq10_text} | " + " | ".join(f"{lagged[k]:.2e}" for k in lags) + " |")
-    share = on["lagged"]["routing"]
-    print("| mean \\|replay - free\\| (same weights) | - | " + " | ".join(f"{share[k]:.2e}" for k in lags) + " |")
-    flips = on["lagged"]["flip"]
-    print("| flip frac of free routing vs record (Eq. 9) | - | " + " | ".join(f"{flips[k]:.2%}" for k in lags) + " |")
-    print("\n### Stored routes (Eq. 8, int16)\n")
-    print("| model | L x k | bytes per token | source |")
-    print("|---|---|---|---|")
-    layers, k = on["routers"]
-    print(
-        f"| {args.model} | {layers} x {k} | {on['bytes_per_token']:.0f} | measured (routing/record_bytes_per_token), "
-        f"{on['record_mb'] * 1024:.1f} KiB per batch (routing/record_mb) |"
-    )
-    for name, (layers, k) in REFERENCE_MODELS.items():
-        print(f"| {name} | {layers} x {k} | {layers * k * 2} | Eq. 8 from the public config |")
-    print(f"\nwall time: replay {on['seconds']:.0f} s, no replay {off['seconds']:.0f} s (CPU, shared cores)")
+    text = report(on, off, args)
+    print("\n" + text)
+    reference = {
+        name: {"layers": n, "top_k": k, "bytes_per_token": n * k * 2} for name, (n, k) in REFERENCE_MODELS.items()
+    }
+    measured = {"replay": on, "no_replay": off, "reference_models_eq8": reference}
+    written = write_result(args.out, "routing_gap", vars(args) | {"out": str(args.out)}, measured, text)
+    print(f"\nwrote {' and '.join(map(str, written))}", file=sys.stderr)
+    return measured
 
 
 if __name__ == "__main__":
