@@ -48,6 +48,12 @@ class RunArguments:
     tiny_seed: int = field(
         default=0, metadata={"help": "Seed of the tiny default's build (demonstrations, init, SFT); RL uses `seed`."}
     )
+    tiny_sft_steps: int | None = field(
+        default=None, metadata={"help": "SFT steps of the tiny default's warm start (default: the environment's own)."}
+    )
+    tiny_num_demos: int | None = field(
+        default=None, metadata={"help": "Demonstrations the tiny default is warm-started on (default: 2000)."}
+    )
 
 
 def make_dataset(env_cls, split: str, n: int, seed: int, difficulty: int) -> Dataset:
@@ -95,7 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
     eval_tasks = env_cls.make_tasks("eval", run.num_eval_tasks, seed=run.task_seed, difficulty=run.difficulty)
     name = model_args.model_name_or_path
     if is_tiny(name):  # the embedded default: built offline once, then read from the cache
-        model_args.model_name_or_path = tiny_model(name, difficulty=run.difficulty, seed=run.tiny_seed)
+        sizes = {"sft_steps": run.tiny_sft_steps, "num_demos": run.tiny_num_demos}
+        sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
+        model_args.model_name_or_path = tiny_model(name, difficulty=run.difficulty, seed=run.tiny_seed, **sizes)
     quantization = get_quantization_config(model_args)
     config.model_init_kwargs = {
         "dtype": model_args.dtype or "float32",

@@ -10,7 +10,7 @@ The stages of one task group (draco.md §4.3), all async with bounded concurrenc
    Eq. 10 / conventions.md C10 when the judge votes);
 5. **discriminative dropout** (Eq. 1) and the **outcome-blind reward** R = (p − f)/(p + f) (Eq. 2);
 6. **credit**, per rollout with A ≠ 0: a final PASS/FAIL/NOT_APPLICABLE per surviving criterion with the steps
-   (numbered from 1) causally responsible for it. The trainer turns these into step weights (`trainers/advantages.py`).
+   (numbered from 1) causally responsible for it. The trainer turns these into step weights (`trainers/draco.py`).
 
 Every stage answers one JSON object with one array field (D6); the judge parses and repairs the JSON, and this module
 checks what a schema cannot (titles, counts, citations), re-asking with the error appended up to `stage_retries`
@@ -238,12 +238,12 @@ def clip_middle(text: str, limit: int | None) -> str:
     """Keep the first 3/4 and the last 1/4 of `limit` characters (draco.md D4: 750 + 250 of 1,000).
 
     >>> clip_middle("abcdefghij", 8)
-    'abcdef … j'
+    'abcdef … ij'
     """
     if limit is None or len(text) <= limit:
         return text
     head = limit * 3 // 4
-    return f"{text[:head]} … {text[len(text) - (limit - head) + 1 :]}" if limit - head > 1 else text[:head] + " …"
+    return f"{text[:head]} … {text[len(text) - (limit - head) :]}"
 
 
 def render_task(prompt: str | Sequence[Mapping[str, Any]]) -> str:

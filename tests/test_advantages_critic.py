@@ -1,7 +1,7 @@
-"""Layer 1: the critic-based estimators in `trainers/advantages.py` (token GAE for PPO/T1, MPO's two-scale GAE) and the
-critic diagnostics (explained variance, value-variance shares, whitening). Hand-computed examples with the arithmetic
-in comments, then seeded property tests against plain-Python references on the compressed model-token sequence
-(`docs/methods/t1.md` §7 items 6-12, 22-24; `docs/methods/mpo.md` §7 items 1-11, 20-22)."""
+"""Layer 1: the critic-based estimators in `trainers/advantages.py` (token GAE for PPO/T1) and `trainers/mpo.py` (MPO's
+two-scale GAE) and the critic diagnostics (explained variance, value-variance shares, whitening). Hand-computed
+examples with the arithmetic in comments, then seeded property tests against plain-Python references on the compressed
+model-token sequence (`docs/methods/t1.md` §7 items 6-12, 22-24; `docs/methods/mpo.md` §7 items 1-11, 20-22)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,21 @@ from trainers.advantages import (
     explained_variance,
     explained_variance_from_sums,
     explained_variance_sums,
-    intra_turn_gae,
     masked_sums,
-    mean_preserving_projection,
-    mpo_advantages,
     place_outcome_reward,
     place_turn_rewards,
     token_gae,
-    turn_gae,
     turn_lengths,
+    whiten,
+)
+from trainers.mpo import (
+    intra_turn_gae,
+    mean_preserving_projection,
+    mpo_advantages,
+    turn_gae,
     turn_start_values,
     value_variance_shares,
     value_variance_sums,
-    whiten,
 )
 
 NAN = math.nan
@@ -448,8 +450,8 @@ def test_mpo_single_turn_rows():
 def test_intra_turn_recursion_stays_inside_turns():
     # item 7: a_{k,.} depends only on turn k's values, r_k and V_{k+1} (the first token of turn k+1)
     values, mask, turn_index, turn_rewards, truncated, boot = random_batch(11, B=4, empty_row=False, max_turns=4)
-    K = turn_rewards.shape[1]
-    base = mpo_advantages(values, mask, turn_index, turn_rewards, truncated, boot)
+    base = mpo_advantages(values, mask, turn_index, turn_rewards, truncated, boot)  # gamma 1, lambda_intra 0.95
+    bootstrapped_turns = 0
     for b in range(values.shape[0]):
         n_turns = int(turn_index[b].max()) + 1
         for k in range(n_turns):
@@ -458,11 +460,19 @@ def test_intra_turn_recursion_stays_inside_turns():
             if k + 1 < n_turns:
                 first_next = int(((turn_index[b] == k + 1) & mask[b].bool()).nonzero()[0])
                 keep[first_next] = True
+                # ... and it does depend on V_{k+1}: +3 there adds 3 to delta_{k,n_k} (Eq. 7), so by Eq. 8 token i of
+                # the turn's n_k tokens moves by 3 * 0.95^(n_k - 1 - i)
+                bumped = values.clone()
+                bumped[b, first_next] += 3.0
+                moved = mpo_advantages(bumped, mask, turn_index, turn_rewards, truncated, boot).token_advantages
+                n_k = int(sel.sum())
+                close(moved[b, sel] - base.token_advantages[b, sel], [3.0 * 0.95 ** (n_k - 1 - i) for i in range(n_k)])
+                bootstrapped_turns += 1
             perturbed = values.clone()
             perturbed[b, ~keep] += 3.0  # every other value of the row (and env/pad slots)
             out = mpo_advantages(perturbed, mask, turn_index, turn_rewards, truncated, boot)
             close(out.token_advantages[b, sel], base.token_advantages[b, sel], atol=1e-12)
-    assert K >= 1
+    assert bootstrapped_turns > 0  # the batch has turns followed by another turn (the case the test is about)
 
 
 def test_mpo_environment_token_invariance():

@@ -2,11 +2,11 @@
 
 Run with `pytest -m distributed tests/test_distributed_ppo.py`. The test launches this file as a script twice, with
 `torchrun --standalone --nproc_per_node 2` and with plain `python`, on the same tiny model and tasks. Sampling is
-deterministic (`top_k=1`), so both runs play the same episodes; the script dumps each row's first-step advantages by
-task id. What must agree across the split: rewards sliced to each rank, the global turn count K, the whitening
-statistics (all-reduced sums), the bootstrap of truncated rows, and the explained variance (all-reduced sums). One
-optimizer step also runs under DDP with the hook-fed value head (`ddp_find_unused_parameters=False`), and the ranks'
-weights stay equal after it.
+deterministic (`top_k=1`), so both runs play the same episodes; the script dumps each row's first-step advantages with
+its task id, and the rows of a task are compared as a multiset. What must agree across the split: rewards sliced to
+each rank, the global turn count K, the whitening statistics (all-reduced sums), the bootstrap of truncated rows, and
+the explained variance (all-reduced sums). One optimizer step also runs under DDP with the hook-fed value head
+(`ddp_find_unused_parameters=False`), and the ranks' weights stay equal after it.
 """
 
 from __future__ import annotations
@@ -41,18 +41,27 @@ def test_two_processes_give_the_first_step_advantages_of_one(tiny_model_folder, 
         assert done.returncode == 0, done.stderr[-3000:]
     rows2, rows1 = json.loads(two.read_text()), json.loads(one.read_text())
     assert rows2["world_size"] == 2 and rows1["world_size"] == 1
-    assert sorted(rows2["rows"]) == sorted(rows1["rows"]) and len(rows1["rows"]) == 4  # 4 tasks x G = 2
-    for task_id, (ids1, adv1) in rows1["rows"].items():
-        ids2, adv2 = rows2["rows"][task_id]
-        assert ids2 == ids1, task_id  # the same episode was played
-        assert len(adv1) == len(adv2) and max(abs(a - b) for a, b in zip(adv1, adv2, strict=True)) < 1e-4, task_id
+    assert len(rows1["rows"]) == len(rows2["rows"]) == 8  # 4 tasks x G = 2, every row kept
+
+    def by_task(rows: list) -> dict[str, list]:  # a group's rows as a multiset: (ids, advantages) sorted
+        groups: dict[str, list] = {}
+        for task_id, ids, adv in rows:
+            groups.setdefault(task_id, []).append((ids, adv))
+        return {t: sorted(g, key=lambda row: (row[0], [round(a, 3) for a in row[1]])) for t, g in groups.items()}
+
+    groups1, groups2 = by_task(rows1["rows"]), by_task(rows2["rows"])
+    assert sorted(groups1) == sorted(groups2) and all(len(g) == 2 for g in groups1.values())
+    for task_id, group1 in groups1.items():
+        for (ids1, adv1), (ids2, adv2) in zip(group1, groups2[task_id], strict=True):
+            assert ids2 == ids1, task_id  # the same episode was played
+            assert len(adv1) == len(adv2) and max(abs(a - b) for a, b in zip(adv1, adv2, strict=True)) < 1e-4, task_id
     assert abs(rows2["explained_variance"] - rows1["explained_variance"]) < 1e-4
     assert rows2["checksums"][0] == rows2["checksums"][1]  # DDP kept the ranks' weights (value head included) equal
-    assert any(abs(a) > 1e-3 for _, adv in rows1["rows"].values() for a in adv)  # not a comparison of zeros
+    assert any(abs(a) > 1e-3 for _, _, adv in rows1["rows"] for a in adv)  # not a comparison of zeros
 
 
 def main(folder: str, out: str, workdir: str, critic: str | None = None) -> None:
-    """One run (1 or 2 processes): a single PPO step; rank 0 writes {task id: (model-token ids, advantages)}.
+    """One run (1 or 2 processes): a single PPO step; rank 0 writes all rows as [task id, model-token ids, advantages].
     `critic` is an optional `critic_model_name_or_path` (e.g. 'policy'; by hand: the separate critic under DDP)."""
     import torch
     from accelerate.utils import gather_object
@@ -113,7 +122,7 @@ def main(folder: str, out: str, workdir: str, critic: str | None = None) -> None
         key = "critic/explained_variance"
         ev = next(h[key] for h in trainer.state.log_history if key in h)
         dump = {"world_size": world, "explained_variance": ev, "checksums": checksums}
-        dump["rows"] = {t: (i, a) for t, i, a in rows}
+        dump["rows"] = [[t, i, a] for t, i, a in rows]
         Path(out).write_text(json.dumps(dump))
 
 

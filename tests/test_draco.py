@@ -125,13 +125,16 @@ def test_credit_validation_c9():
 
 
 def test_rendering_numbers_steps_from_one_and_strips_reasoning():
+    long_observation = "h" * 1000 + "t" * 1000
     transcript = [
-        {"action": "<think>secret plan</think>search[red shirt]", "observation": "x" * 2000, "reward": 0.0},
+        {"action": "<think>secret plan</think>search[red shirt]", "observation": long_observation, "reward": 0.0},
         {"action": "buy", "observation": "bought", "reward": 1.0},
     ]
     text = render_steps(transcript, observation_chars=1000)
     assert text.startswith("[ASSISTANT] step 1\nsearch[red shirt]") and "[ASSISTANT] step 2\nbuy" in text
-    assert "secret plan" not in text and "x" * 751 not in text and "x" * 750 + " … " + "x" * 249 in text  # D4, D5
+    # D4: keep 1,000 of 2,000 characters: the first 3/4 (750, all "h") and the last 1/4 (250, all "t"); D5: no <think>
+    assert "secret plan" not in text and "h" * 750 + " … " + "t" * 250 + "\n" in text
+    assert "h" * 751 not in text and "t" * 251 not in text
     assert (
         render_task([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
         == "[SYSTEM]\nS\n\n[USER]\nU"

@@ -1,6 +1,7 @@
-"""Layer 1: ratios, surrogates, value loss and aggregation in `trainers/losses.py`. Hand-computed values with the
-arithmetic in comments and gradient-flow assertions (what must and must not receive gradient): `docs/methods/mpo.md` §7
-items 12-19, `docs/methods/t1.md` §7 items 13-15 and 21."""
+"""Layer 1: ratios, surrogates, value loss and aggregation in `trainers/losses.py`, and MPO's turn-level ratio and
+actor loss (`trainers/mpo.py`). Hand-computed values with the arithmetic in comments and gradient-flow assertions
+(what must and must not receive gradient): `docs/methods/mpo.md` §7 items 12-19, `docs/methods/t1.md` §7 items 13-15
+and 21."""
 
 from __future__ import annotations
 
@@ -16,10 +17,8 @@ from trainers.losses import (
     clipped_surrogate_loss,
     clipped_value_loss,
     masked_token_mean,
-    mpo_loss,
-    turn_importance_ratio,
-    turn_log_ratio,
 )
+from trainers.mpo import mpo_loss, turn_importance_ratio, turn_log_ratio
 
 F64 = torch.float64
 LOG = math.log

@@ -1,7 +1,7 @@
 """Layer 3: CPU smoke runs of the MPO trainer (`trainers/mpo.py`) on the tiny random model with `EchoEnv`: separate
 critic at 15x the actor's learning rate, turn-level ratio with an off-policy minibatch, `turn_index` in the loss
-inputs, advantages equal to `mpo_advantages` on the batch with each turn's mean preserved (mpo.md Eq. 11), and the
-value-variance diagnostics (mpo.md §8)."""
+inputs, advantages and returns equal to a plain-Python reference of mpo.md Eq. 3-10 and 17 on the batch, each turn's
+mean preserved (Eq. 11), the TITO audit, and the explained-variance and value-variance diagnostics (mpo.md §8)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
+from tests.test_ppo import capture_audits, check_tito_audit
 from tests.test_ppo import make_trainer as make_ppo_trainer
-from trainers.advantages import mpo_advantages
 from trainers.mpo import MPOConfig, MPOTrainer
 
 
@@ -22,6 +22,38 @@ def make_trainer(folder, tokenizer, tmp_path, **kw):
 
 def logged(trainer, key: str) -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def reference_mpo(values, mask, turn_index, reward, lam, lam_intra, beta, gamma):
+    """Plain-Python MPO on one terminated row, from mpo.md Eq. 3-10 and 17: the outcome reward on the last turn
+    (Eq. 4), V_{K+1} = 0 (Eq. 3), turn GAE (Eq. 5-6), an intra-turn token GAE that bootstraps into the next turn's
+    start value (Eq. 7-8), the mean-preserving projection (Eq. 9-10) and Monte-Carlo returns counted in turns (Eq. 17).
+    Returns per-token advantages and returns (0 off the model tokens) and the turn advantages A_k."""
+    pos: dict[int, list[int]] = {}
+    for t, (m, k) in enumerate(zip(mask, turn_index, strict=True)):
+        if m:
+            pos.setdefault(k, []).append(t)
+    K = len(pos)
+    assert sorted(pos) == list(range(K))  # turns 0..K-1, each with a model token
+    r = [0.0] * (K - 1) + [reward]  # Eq. 4
+    v_start = [values[pos[k][0]] for k in range(K)] + [0.0]  # Eq. 3: V_k = V_{k,1}, V_{K+1} = 0
+    turn_adv, carry = [0.0] * K, 0.0
+    for k in reversed(range(K)):
+        carry = r[k] + gamma * v_start[k + 1] - v_start[k] + gamma * lam * carry  # Eq. 5-6
+        turn_adv[k] = carry
+    adv, ret, g = [0.0] * len(mask), [0.0] * len(mask), 0.0
+    for k in reversed(range(K)):
+        g = r[k] + gamma * g  # Eq. 17: G_k = r_k + gamma * G_{k+1}, G_{K+1} = V_{K+1} = 0
+        v = [values[t] for t in pos[k]]
+        a, carry = [0.0] * len(v), 0.0
+        for i in reversed(range(len(v))):
+            nxt = v[i + 1] if i + 1 < len(v) else r[k] + gamma * v_start[k + 1]  # Eq. 7
+            carry = nxt - v[i] + lam_intra * carry  # Eq. 8, never crossing the turn's end
+            a[i] = carry
+        for t, a_i in zip(pos[k], a, strict=True):
+            adv[t] = turn_adv[k] + beta * (a_i - sum(a) / len(a))  # Eq. 9-10
+            ret[t] = g
+    return adv, ret, turn_adv
 
 
 def test_mpo_smoke_separate_critic(tiny_model_folder, tiny_tokenizer, tmp_path):
@@ -35,6 +67,9 @@ def test_mpo_smoke_separate_critic(tiny_model_folder, tiny_tokenizer, tmp_path):
         return original(model, inputs)
 
     trainer.policy_loss = capture
+    batches, compute = [], trainer.compute_advantages
+    trainer.compute_advantages = lambda batch: batches.append(batch) or compute(batch)
+    audited = capture_audits(trainer)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     losses = logged(trainer, "loss")
@@ -49,8 +84,14 @@ def test_mpo_smoke_separate_critic(tiny_model_folder, tiny_tokenizer, tmp_path):
     assert logged(trainer, "mpo/turn_log_ratio_abs_mean")[-1] > 0  # the second minibatch is off-policy
     assert logged(trainer, "mpo/mean_constraint_max_err")[0] < 1e-5  # Eq. 11
     assert logged(trainer, "mpo/turns_per_traj_mean") == [3.0]
-    assert logged(trainer, "t1/tito_mismatch_tokens") == [0.0]
-    assert logged(trainer, "critic/explained_variance")
+    assert len(audited) == 1 and logged(trainer, "t1/tito_mismatch_tokens") == [0.0]
+    check_tito_audit(trainer, audited[0])
+    # Eq. 19 recomputed on the one generation batch: EV = 1 - Var[R - V_old] / Var[R] over its model tokens
+    (batch,) = batches
+    m = batch.mask.bool()
+    r, v = batch.extras["returns"].double()[m], batch.extras["old_values"].double()[m]
+    ev = 1.0 - (r - v).var(unbiased=False).item() / r.var(unbiased=False).item()
+    assert logged(trainer, "critic/explained_variance") == [pytest.approx(ev, abs=1e-6)]
     for key in ("mpo/token_clip_frac", "mpo/dual_clip_frac", "mpo/turn_clip_frac", "mpo/sign_flip_frac"):
         assert 0.0 <= min(logged(trainer, key)) and max(logged(trainer, key)) <= 1.0, key
 
@@ -58,34 +99,41 @@ def test_mpo_smoke_separate_critic(tiny_model_folder, tiny_tokenizer, tmp_path):
 def test_mpo_advantages_on_the_batch(tiny_model_folder, tiny_tokenizer, tmp_path):
     trainer = make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path, critic_model_name_or_path=None, max_steps=1)
     torch.nn.init.normal_(trainer.critic.weight, std=0.5)  # non-zero values inside and between turns
+    a = trainer.args
+    assert (a.turn_lambda, a.intra_turn_lambda, a.token_residual_scale, a.turn_gamma) == (0.8, 0.95, 1.0, 1.0)
     seen = []
     original = trainer.compute_advantages
-    trainer.compute_advantages = lambda batch: seen.append((batch, original(batch))) or seen[-1][1]
+
+    def capture(batch):
+        adv = original(batch)
+        # the critic's values before any update: backbone + head, read one position left of each completion token
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+        attn = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
+        with torch.no_grad():
+            hidden = trainer.model.model(input_ids=ids, attention_mask=attn).last_hidden_state
+            seen.append((batch, adv, trainer.critic(hidden).squeeze(-1)))  # v_all (B, L)
+        return adv
+
+    trainer.compute_advantages = capture
     trainer.train()
-    batch, adv = seen[0]
+    batch, adv, v_all = seen[0]
     mask, turn_index = batch.mask, batch.turn_index
     assert ((mask == 0) & (batch.completion_mask == 1)).any()  # environment tokens between turns
     assert not batch.truncated.any()  # terminated rows: the terminal value is 0 (C4)
-    a = trainer.args
-    ref = mpo_advantages(
-        batch.extras["old_values"],
-        mask,
-        turn_index,
-        trainer.turn_reward_matrix(batch),
-        batch.truncated,
-        gamma=a.turn_gamma,
-        turn_lambda=0.8,
-        intra_turn_lambda=0.95,
-        beta=1.0,
-        turn_valid=batch.turn_valid,
-    )
-    torch.testing.assert_close(adv, ref.advantages)
-    torch.testing.assert_close(batch.extras["returns"], ref.returns)
+    old = batch.extras["old_values"]
+    torch.testing.assert_close(old, v_all[:, :-1][:, -mask.shape[1] :], atol=1e-5, rtol=1e-5)  # the values used
+    for b in range(mask.shape[0]):
+        assert int(turn_index[b][mask[b].bool()].max()) + 1 == int(batch.turn_valid[b].sum())  # outcome on turn K
+        ref_adv, ref_ret, ref_turn = reference_mpo(
+            old[b].tolist(), mask[b].tolist(), turn_index[b].tolist(), float(batch.rewards[b]), 0.8, 0.95, 1.0, 1.0
+        )
+        torch.testing.assert_close(adv[b].double(), torch.tensor(ref_adv, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+        ret = batch.extras["returns"][b].double()
+        torch.testing.assert_close(ret, torch.tensor(ref_ret, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+        for k, a_k in enumerate(ref_turn):  # Eq. 11: every turn's mean advantage is exactly A_k
+            sel = (turn_index[b] == k) & mask[b].bool()
+            assert adv[b][sel].double().mean().item() == pytest.approx(a_k, abs=1e-5)
     assert (adv[mask == 0] == 0).all()
-    for b in range(mask.shape[0]):  # Eq. 11: every turn's mean advantage is exactly A_k
-        for k in range(int(turn_index[b].max()) + 1):
-            sel = turn_index[b] == k
-            assert adv[b][sel].double().mean().item() == pytest.approx(float(ref.turn_advantages[b, k]), abs=1e-5)
     # the value-variance diagnostic is defined once the critic's values vary (mpo.md Eq. 20-21)
     share, pooled = logged(trainer, "mpo/inter_turn_var_share"), logged(trainer, "mpo/inter_turn_var_share_pooled")
     assert len(share) == 1 and 0.0 <= share[0] <= pooled[0] <= 1.0

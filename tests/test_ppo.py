@@ -4,6 +4,7 @@ token GAE over model tokens only (environment tokens skipped) checked against a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -61,6 +62,29 @@ def logged(trainer, key: str) -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
+def capture_audits(trainer) -> list:
+    """Wrap `trainer.audit_tito` so that every batch it audits is kept."""
+    seen, original = [], trainer.audit_tito
+    trainer.audit_tito = lambda batch: seen.append(batch) or original(batch)
+    return seen
+
+
+def check_tito_audit(trainer, batch) -> None:
+    """t1.md Eq. 17 on a real rollout batch, checked without the audit: the loss positions of every row hold exactly
+    the ids the sampler emitted, on a non-zero number of tokens; one corrupted sampled id then makes the audit fail."""
+    loss_tokens = 0
+    for b, row in enumerate(batch.rows):
+        kept = [int(i) for i, m in zip(batch.completion_ids[b].tolist(), batch.mask[b].tolist(), strict=True) if m]
+        assert kept == list(row["sampled_ids"]), f"row {b}"
+        loss_tokens += len(kept)
+    assert loss_tokens > 0
+    rows = [dict(row) for row in batch.rows]
+    b = next(b for b, row in enumerate(rows) if row["sampled_ids"])
+    rows[b]["sampled_ids"] = [rows[b]["sampled_ids"][0] + 1, *rows[b]["sampled_ids"][1:]]  # one id differs
+    with pytest.raises(RuntimeError, match="1 loss tokens differ"):  # t1.md D14
+        trainer.audit_tito(dataclasses.replace(batch, rows=rows))
+
+
 def test_value_head_ppo_smoke(tiny_model_folder, tiny_tokenizer, tmp_path, caplog):
     trainer = make_trainer(
         tiny_model_folder, tiny_tokenizer, tmp_path, critic_lr_multiplier=10.0, ev_negative_patience=1
@@ -68,6 +92,7 @@ def test_value_head_ppo_smoke(tiny_model_folder, tiny_tokenizer, tmp_path, caplo
     head = trainer.model.value_head
     assert head is trainer.critic and head.weight.abs().sum() == 0  # zero-initialised, attached to the policy
     before = snapshot(trainer.model)
+    audited = capture_audits(trainer)
     trainer.train()
     losses = logged(trainer, "loss")
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
@@ -76,8 +101,12 @@ def test_value_head_ppo_smoke(tiny_model_folder, tiny_tokenizer, tmp_path, caplo
     assert changed["value_head.weight"] and changed["value_head.bias"]
     groups = {g["role"]: g["lr"] for g in trainer.optimizer.param_groups}
     assert groups == {"actor": 1e-2, "critic": pytest.approx(1e-1)}  # t1.md Eq. 13
-    assert logged(trainer, "critic/explained_variance") and logged(trainer, "critic/ev_defined")
-    assert logged(trainer, "t1/tito_mismatch_tokens") == [0.0]  # t1.md Eq. 17
+    # one generation batch, valued by the zero-initialised head before any update: V_old = 0, so
+    # EV = 1 - Var[R - 0] / Var[R] = 0 exactly (t1.md Eq. 14), and it is defined (the returns vary)
+    assert logged(trainer, "critic/explained_variance") == [pytest.approx(0.0, abs=1e-9)]
+    assert logged(trainer, "critic/ev_defined") == [1.0]
+    assert len(audited) == 1 and logged(trainer, "t1/tito_mismatch_tokens") == [0.0]  # t1.md Eq. 17
+    check_tito_audit(trainer, audited[0])
     assert logged(trainer, "actor/approx_kl")[-1] > 0  # the second minibatch is off-policy
     # explained variance: an anti-correlated critic warns at once with ev_negative_patience=1 (t1.md D16)
     mask = torch.ones(1, 3)

@@ -1,5 +1,8 @@
 """The tiny default's cache key and per-environment settings (envs/tiny.py)."""
 
+import hashlib
+import json
+
 import pytest
 
 from envs.search import NAME_POOL, SearchEnv
@@ -8,7 +11,12 @@ from envs.tiny import TinySpec
 
 def test_cache_key_follows_settings_and_demo_version(monkeypatch):
     shop = TinySpec.parse("tiny:shop")
-    assert shop.key() == TinySpec.parse("tiny:shop").key()  # stable
+    # stable across processes and runs (it names a cache folder): the first 16 hex digits of the SHA-256 of the
+    # settings as sorted JSON; shop has no demo_version. A change here rebuilds every cached tiny:shop.
+    settings = dict(env="shop", moe=False, difficulty=0, hidden_size=128, num_layers=2, num_heads=4)
+    settings.update(intermediate_size=256, num_experts=8, experts_per_token=2, max_positions=1024, vocab_size=1024)
+    settings.update(num_demos=2000, noise=0.3, sft_steps=300, sft_batch_size=32, sft_lr=3e-3, seed=0, version=2)
+    assert shop.key() == hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     assert shop.key() != TinySpec.parse("tiny:shop", sft_steps=301).key()
     assert shop.key() != TinySpec.parse("tiny-moe:shop").key()
     before = TinySpec.parse("tiny:search").key()

@@ -2,10 +2,11 @@
 with default hooks reproduces stock GRPOTrainer (advantages and loss) on a single-turn dataset."""
 
 import inspect
+from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import CPU_ARGS
+from conftest import CPU_ARGS, EchoEnv
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
@@ -86,12 +87,134 @@ def test_default_hooks_reproduce_stock_grpo(tiny_model_folder, tmp_path, scale_r
     torch.testing.assert_close(loss_ours, loss_ref, rtol=1e-6, atol=1e-7)
 
 
-def test_rejects_plain_grpo_config(tiny_model_folder, tmp_path):
-    data = Dataset.from_list([{"prompt": "say apple"}] * 4)
-    with pytest.raises(TypeError, match="AgentGRPOConfig"):
-        AgentGRPOTrainer(
-            model=tiny_model_folder,
-            reward_funcs=[distinct_chars],
-            train_dataset=data,
-            args=_config(GRPOConfig, tmp_path),
-        )
+# TRL trainer attributes with no public accessor that the project reads, and the type it expects. Where: base =
+# trainers/base.py, loop = trainers/agent_loop.py, replay = trainers/routing_replay.py (RoutingReplay.setup).
+TRL_ATTRIBUTES = {
+    "_metrics": dict,  # base.log_metric appends to _metrics[mode][name]; TRL's log() averages and clears them
+    "_step": int,  # base.training_step, base._first_micro_step: micro-steps run so far
+    "use_vllm": bool,  # replay (refused with vLLM), loop.trainer_rollouts
+    "tools": list,  # replay (refused when TRL's tool loop is on)
+    "aux_loss_enabled": bool,  # base.forward_logps; base.__init__ turns it off under routing replay
+    "reward_weights": torch.Tensor,  # base._rollout_batch: (F,) weights of the reward columns
+    "num_generations": int,  # base._rollout_batch: G in training
+    "num_generations_eval": int,  # base._rollout_batch: G in evaluation
+    "temperature": float,  # loop.trainer_rollouts: the sampling settings of HF generation
+    "top_p": float,
+    "top_k": int,
+    "min_p": (float, type(None)),
+    "repetition_penalty": float,
+    "eos_token_ids": list,  # loop.trainer_rollouts: ids that end a turn
+    "rollout_func": (type(None), Callable),  # tests/test_routing_integration.py wraps it
+    "environments": (type(None), list),  # bench/rollout.py: TRL's environment instances of the last batch
+    "current_gradient_accumulation_steps": int,  # transformers.Trainer, set by train(): base.training_step
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_folder, tmp_path_factory):
+    """The base trainer after one optimizer step of two micro-steps (TRL's attributes, no environment)."""
+    data = Dataset.from_list([{"prompt": f"say {w}"} for w in ["apple", "river", "stone", "cloud"]])
+    args = AgentGRPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("trained")),
+        per_device_train_batch_size=4,  # two micro-batches of 4: one group of G = 4 each
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=1,
+        **CPU_ARGS,
+    )
+    trainer = AgentGRPOTrainer(model=tiny_model_folder, reward_funcs=[distinct_chars], train_dataset=data, args=args)
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("name", sorted(TRL_ATTRIBUTES))
+def test_trl_attribute_is_pinned(trained, name):
+    assert hasattr(trained, name), f"TRL no longer sets GRPOTrainer.{name}; update the code that reads it"
+    value = getattr(trained, name)
+    assert isinstance(value, TRL_ATTRIBUTES[name]), f"GRPOTrainer.{name} is now {type(value).__name__}"
+
+
+def test_step_counts_micro_steps(trained):
+    # max_steps=1 optimizer step of gradient_accumulation_steps=2 micro-steps: training_step ran twice
+    assert trained.current_gradient_accumulation_steps == 2
+    assert trained._step == 2
+
+
+def test_log_averages_metrics(trained):
+    assert set(trained._metrics) == {"train", "eval"}
+    trained.log_metric("pin/value", 1.0)
+    trained.log_metric("pin/value", 4.0)
+    trained.log({})
+    assert trained.state.log_history[-1]["pin/value"] == 2.5  # (1 + 4) / 2
+    assert "pin/value" not in trained._metrics["train"]  # cleared for the next logging step
+
+
+def test_rollout_fields_reach_the_batch_under_the_names_base_reads(tiny_model_folder, tmp_path):
+    """The agent loop returns `env_mask` and `logprobs` through TRL's `rollout_func`; TRL must hand them on as
+    `tool_mask` and `sampling_per_token_logps`, and an off-policy batch must carry `old_per_token_logps` (base.py
+    reads all three with `.get`, so a rename would silently drop them)."""
+    data = Dataset.from_list([{"prompt": "say apple", "task": {"words": ["apple", "river"]}}] * 4)
+    args = AgentGRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        steps_per_generation=2,  # one generation, two optimizer steps: off-policy, so TRL runs the old-log-prob pass
+        num_generations=4,
+        max_completion_length=48,  # room for the observation of turn 1 and a second turn
+        max_turn_tokens=3,
+        **CPU_ARGS,
+    )
+    trainer = AgentGRPOTrainer(
+        model=tiny_model_folder, train_dataset=data, args=args, env_factory=lambda row: EchoEnv()
+    )
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions([dict(r) for r in data] * 2)
+    assert {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages"} <= out.keys()
+    assert {"tool_mask", "sampling_per_token_logps", "old_per_token_logps"} <= out.keys()
+    assert (out["tool_mask"] == 0).any()  # the observation tokens of the second turn, from env_mask
+
+
+def test_private_helpers_are_pinned():
+    """TRL helpers outside the trainer class that the project calls, with the parameters it passes."""
+    from trl.chat_template_utils import qwen3_template  # envs/shop_tools.py: the response template of tool calls
+    from trl.generation.vllm_generation import VLLMGeneration  # trainers/agent_loop.py: vllm_generate
+    from trl.models import unwrap_model_for_generation  # trainers/agent_loop.py: trainer_rollouts
+    from trl.trainer.utils import get_config_model_id  # trainers/base.py: as_config names the default config
+
+    assert list(inspect.signature(get_config_model_id).parameters) == ["config"]
+    assert list(inspect.signature(unwrap_model_for_generation).parameters)[:2] == ["model", "accelerator"]
+    generate = list(inspect.signature(VLLMGeneration.generate).parameters)
+    assert generate[:4] == ["self", "prompts", "images", "num_generations"]
+    # agent_loop calls trainer.vllm_generation.generate(...); TRL sets that attribute only with use_vllm (GPU)
+    assert "self.vllm_generation = VLLMGeneration(" in inspect.getsource(GRPOTrainer.__init__)
+    assert isinstance(qwen3_template, dict)
+
+
+def test_trl_names_the_critic_trainers_read(tiny_model_folder, tmp_path):
+    """What trainers/ppo.py (and mpo.py through it) still take from TRL without a public function: the batch key
+    `num_items_in_batch` and the "dapo" normaliser that `trainers.losses.dapo_token_count` mirrors (TRL computes it
+    inline in `_compute_loss`), the trainer attribute `router_aux_loss_coef`, and
+    `trl.trainer.disable_dropout_in_model` (applied to the critic)."""
+    from trl.trainer import disable_dropout_in_model
+
+    from trainers.losses import dapo_token_count, masked_token_mean
+
+    critic = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    disable_dropout_in_model(critic)
+    assert critic[1].p == 0
+    data = Dataset.from_list([{"prompt": f"say {w}"} for w in ["apple", "river"]])
+    args = _config(GRPOConfig, tmp_path, loss_type="dapo", steps_per_generation=2, gradient_accumulation_steps=2)
+    stock = GRPOTrainer(model=tiny_model_folder, reward_funcs=[distinct_chars], train_dataset=data, args=args)
+    assert isinstance(stock.router_aux_loss_coef, float)  # ppo.py: loss + router_aux_loss_coef * aux
+    stock.model.train()
+    stock.current_gradient_accumulation_steps = 2  # as Trainer's loop sets it for each accumulation window
+    torch.manual_seed(0)
+    out = stock._generate_and_score_completions([{"prompt": "say apple"}] * 4 + [{"prompt": "say river"}] * 4)
+    mask = out["completion_mask"].float()  # (B, T) single turn: no tool mask
+    assert out["num_items_in_batch"].item() == mask.sum().item()  # the generation batch's loss tokens (1 process)
+    out.pop("old_per_token_logps", None)  # on-policy: the ratio is exactly 1, so TRL's per-token loss is -A
+    adv = out["advantages"].unsqueeze(1).expand_as(mask)  # (B, T)
+    assert adv.abs().sum() > 0
+    n_tok = dapo_token_count(out["num_items_in_batch"], num_processes=1, steps_per_generation=2, training=True)
+    expected = masked_token_mean(-adv, mask, n_tok) / 2  # what AgentPPOTrainer.policy_loss does with the actor term
+    torch.testing.assert_close(stock.compute_loss(stock.model, out), expected, rtol=1e-5, atol=1e-7)

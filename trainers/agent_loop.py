@@ -1,7 +1,7 @@
 """Multi-turn rollouts: the agent plays environments, batched across every live episode, token-in/token-out.
 
-`play` is the loop; `rollout_func` adapts it to TRL's `rollout_func(prompts, trainer)` hook, and `evaluate` runs it on
-held-out tasks outside training. One turn of the loop:
+`play` is the loop; `trainer_rollouts` plays it for `AgentGRPOTrainer` (whose TRL `rollout_func` hook returns
+`to_trl` of those rollouts), and `evaluate` runs it on held-out tasks outside training. One turn of the loop:
 
 1. the contexts of all live episodes (`prompt_ids + completion_ids`, plain token concatenation, never re-tokenised)
    are left-padded and generated in ONE batched call, capped at `max_turn_tokens` new tokens; the HF backend keeps
@@ -428,7 +428,7 @@ def vllm_generate(trainer) -> GenerateFn:
 
 
 def to_trl(rollouts: list[Rollout]) -> dict[str, list]:
-    """The `rollout_func` return value: TRL's required keys, `env_mask`, and the contract's extra fields."""
+    """A TRL `rollout_func` return value: TRL's required keys, `env_mask`, and the contract's extra fields."""
     return {
         "prompt_ids": [r.prompt_ids for r in rollouts],
         "completion_ids": [r.completion_ids for r in rollouts],
@@ -447,12 +447,6 @@ def to_trl(rollouts: list[Rollout]) -> dict[str, list]:
     }
 
 
-def rollout_func(prompts: list, trainer) -> dict[str, list]:
-    """TRL's `rollout_func` hook. Row data (the task of each prompt) is read from `trainer._rows`, set by the trainer
-    right before TRL calls this, in the same order as `prompts` (already repeated G times)."""
-    return to_trl(trainer_rollouts(prompts, trainer))
-
-
 def row_task(row: dict) -> dict:
     """The task of a dataset row: its `task` column (a JSON string or a dict), else the whole row."""
     if "task" not in row:
@@ -461,7 +455,10 @@ def row_task(row: dict) -> dict:
 
 
 def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
-    """The rollouts behind `rollout_func`, as `Rollout` objects (their `routes` stay here, out of TRL's rows).
+    """The rollouts of one generation batch of `trainer` (an `AgentGRPOTrainer`), as `Rollout` objects (their
+    `routes` stay here, out of TRL's rows). The task of each prompt comes from `trainer._rows`, the batch's dataset
+    rows, which the trainer sets right before TRL calls its `rollout_func`, in the order of `prompts` (already
+    repeated G times).
 
     Every process makes the same number of generate calls (`trainer.num_live_global`); with
     `trainer.replay_routing` the HF backend records MoE routes (routing-replay.md D1).
@@ -470,7 +467,7 @@ def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
 
     rows = trainer._rows
     if len(rows) != len(prompts):
-        raise RuntimeError(f"rollout_func got {len(prompts)} prompts but {len(rows)} stashed rows")
+        raise RuntimeError(f"trainer_rollouts got {len(prompts)} prompts but {len(rows)} stashed rows")
     envs = [trainer.env_factory(row) for row in rows]
     # a `task` column (JSON or dict) holds the task; without one the row itself is the task, as TRL's reset(**row)
     tasks = [row_task(row) for row in rows]

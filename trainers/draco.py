@@ -17,6 +17,10 @@ be `dapo` or `bnpo`, credit-interface §2.4). Only `compute_advantages` is overr
 endpoints and the input-budget shortening of §4.6; with several processes the reward stage runs on the main process
 (D14) but each process makes the credit calls of its own rows (each call is still made once).
 
+This file reads top to bottom: `DRACOConfig` (DRACO's fields only), the pure math (citations, step weights and the
+redistribution, `# Eq. N` on the implementing lines, built on the shared credit interface of `trainers/credit.py`),
+the judge factory, then `DRACOTrainer`.
+
 Logged metrics (besides the `credit/*` set of credit-interface §10):
 - `draco/criteria_s1|s2|merged|surviving`, `draco/dropout_rate`, `draco/reward_mean|std`, `draco/na_rate`,
   `draco/fail_rate`, `draco/zero_std_groups`, `draco/groups_no_signal`, `draco/unscorable_rate`,
@@ -34,12 +38,19 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from rewards.judge import BaseJudge, Judge, JudgeConfig, LocalModelJudge
 from rewards.oracle import OracleJudge
 from rewards.rubrics import DracoReward, RubricPipeline
-from trainers.advantages import credit_metrics, draco_advantages, draco_citations, turn_token_counts
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
+from trainers.credit import (
+    CreditOutput,
+    credit_metrics,
+    redistribute_multiplicative,
+    token_budget_multipliers,
+    turn_token_counts,
+)
 
 BACKENDS = ("oracle", "openai", "self")
 
@@ -94,6 +105,118 @@ class DRACOConfig(AgentGRPOConfig):
             raise ValueError(f"judge_votes must be >= 1, got {self.judge_votes}")
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Step quality, step weights and the redistribution (Eq. 4-9), through the credit interface
+
+
+def draco_citations(cited_steps: list[list[list[int]]], num_turns: int, num_criteria: int | None = None) -> Tensor:
+    """Z (B, C, K) bool from 1-based step citations per row and criterion: step j is turn j - 1 (draco.md §3).
+
+    conventions.md C9: a step cited twice by one criterion counts once; steps outside 1..num_turns are dropped.
+
+    >>> draco_citations([[[1, 1, 3], [9]]], num_turns=3).int().tolist()
+    [[[1, 0, 1], [0, 0, 0]]]
+    """
+    C = num_criteria if num_criteria is not None else max((len(row) for row in cited_steps), default=0)
+    z = torch.zeros(len(cited_steps), C, num_turns, dtype=torch.bool)
+    for b, row in enumerate(cited_steps):
+        for c, steps in enumerate(row):
+            for j in steps:
+                if 1 <= j <= num_turns:  # C9: out-of-range dropped; repeats set the same cell once
+                    z[b, c, j - 1] = True
+    return z
+
+
+@torch.no_grad()
+def draco_step_weights(verdicts: Tensor, citations: Tensor, adv: Tensor, turn_valid: Tensor) -> tuple[Tensor, Tensor]:
+    """DRACO's step weights from credit-stage verdicts and citations, draco.md Eq. 4-6.
+
+    P_j / F_j = number of PASS / FAIL verdicts citing step j (Eq. 4); Q_j = P_j / (P_j + F_j) on cited steps; an
+    uncited step takes the mean Q of the row's cited steps (Eq. 5); w_j = Q_j for a winner (A ≥ 0) and 1 − Q_j for a
+    loser (A < 0) (Eq. 6). NOT_APPLICABLE verdicts (0) are ignored. Verdicts of dropped criteria must not be passed
+    (pad them with 0).
+
+    Args:
+        verdicts (`Tensor`): (B, C) int, +1 PASS, -1 FAIL, 0 NOT_APPLICABLE (credit stage, surviving criteria only).
+        citations (`Tensor`): (B, C, K) bool Z (see `draco_citations`).
+        adv (`Tensor`): (B,) A.
+        turn_valid (`Tensor`): (B, K) bool.
+
+    Returns:
+        `tuple[Tensor, Tensor]`: w (B, K) float64 in [0, 1], 0 off the row's turns; `cited` (B,) bool, false where no
+        valid step is cited (then Q̄ is undefined and the row falls back, Eq. 9).
+
+    >>> w, cited = draco_step_weights(torch.tensor([[1, -1]]), torch.tensor([[[1, 1, 0], [0, 1, 0]]]).bool(),
+    ...                               torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool))
+    >>> w.tolist(), cited.tolist()  # Q = [1, 1/2, mean(1, 1/2) = 3/4]
+    ([[1.0, 0.5, 0.75]], [True])
+    """
+    valid = turn_valid.bool()  # (B, K)
+    z = citations.bool() & valid.unsqueeze(1)  # (B, C, K)
+    P = ((verdicts == 1).unsqueeze(2) & z).sum(dim=1).to(torch.float64)  # (B, K) Eq. 4
+    F = ((verdicts == -1).unsqueeze(2) & z).sum(dim=1).to(torch.float64)  # (B, K) Eq. 4
+    hit = (P + F) > 0  # (B, K) cited steps
+    q = torch.where(hit, P / (P + F).clamp(min=1.0), 0.0)  # Eq. 4
+    n_hit = hit.sum(dim=1)  # (B,)
+    q_bar = q.sum(dim=1) / n_hit.clamp(min=1)  # (B,) Eq. 5
+    q = torch.where(hit, q, q_bar.unsqueeze(1))  # Eq. 5: uncited steps get the mean
+    w = torch.where(adv.to(torch.float64).unsqueeze(1) >= 0, q, 1.0 - q)  # Eq. 6: winner Q, loser 1 - Q
+    return torch.where(valid, w, 0.0), n_hit > 0
+
+
+@torch.no_grad()
+def draco_advantages(
+    adv: Tensor,
+    turn_index: Tensor,
+    turn_valid: Tensor,
+    verdicts: Tensor,
+    citations: Tensor,
+    row_fallback: Tensor | None = None,
+    reasons: list[str | None] | None = None,
+) -> CreditOutput:
+    """DRACO's per-token advantages, draco.md Eq. 4-9, through the shared interface (Eq. I-4 then Eq. I-2):
+    a_j = A · N · w_j / (n_j · Σ_k w_k) on every loss token of step j (Eq. 7), 0 on tokens in no step.
+
+    Fallback to the plain GRPO broadcast (Eq. 9, conventions.md C8), with the reason logged: the producer's rows
+    (`row_fallback`, e.g. `judge_failure`, `group_skipped`); no valid step cited (`no_citation`); Σw = 0
+    (`zero_weight_sum`: a winner cited only by FAILs, a loser cited only by PASSes). Rows with A = 0 are exact zeros
+    (G5; draco.md D10 skips their credit call), and are not counted as fallbacks. Equal weights give equal step
+    totals A·N/K_b, not the uniform A (P2, D13). a(c·A) = c·a(A) holds for c > 0 (C11).
+
+    Args:
+        adv (`Tensor`): (B,) A from TRL.
+        turn_index (`Tensor`): (B, T).
+        turn_valid (`Tensor`): (B, K) bool.
+        verdicts (`Tensor`): (B, C) credit-stage verdicts in {-1, 0, 1} over the surviving criteria.
+        citations (`Tensor`): (B, C, K) bool.
+        row_fallback (`Tensor`, *optional*): (B,) bool rows the producer already sends to fallback.
+        reasons (`list[str | None]`, *optional*): their reason codes.
+
+    Returns:
+        `CreditOutput` with the token-sum residual of P1.
+    """
+    B, K = turn_valid.shape
+    n = turn_token_counts(turn_index, K)  # (B, K) Eq. I-5
+    w, cited = draco_step_weights(verdicts, citations, adv, turn_valid)  # (B, K) Eq. 4-6
+    m, zero = token_budget_multipliers(w, n, turn_valid)  # (B, K) Eq. 8 = Eq. I-4
+    fb = torch.zeros(B, dtype=torch.bool, device=adv.device) if row_fallback is None else row_fallback.bool().clone()
+    why = [None] * B if reasons is None else list(reasons)
+    active = adv != 0  # A = 0 rows are zeros whatever the weights (G5)
+    m = torch.where(active.unsqueeze(1), m, 1.0)  # ... so they keep neutral multipliers (no zero-sum artefact)
+    for b in range(B):
+        if bool(fb[b]) or not bool(active[b]) or int(n[b].sum()) == 0:
+            continue
+        if not bool(cited[b]):
+            fb[b], why[b] = True, "no_citation"  # Eq. 9: Q̄ undefined
+        elif bool(zero[b]):
+            fb[b], why[b] = True, "zero_weight_sum"  # Eq. 9 / C8
+    return redistribute_multiplicative(adv, turn_index, m, turn_valid, fb, why, n)  # Eq. 7 = A · m (Eq. I-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The judge and the trainer
+
+
 def build_judge(args: DRACOConfig, datasets: list) -> BaseJudge:
     """The judge named by `args.judge_backend`; the oracle learns the tasks of the `task` column of `datasets`."""
     if args.judge_backend == "oracle":
@@ -131,11 +254,15 @@ def build_judge(args: DRACOConfig, datasets: list) -> BaseJudge:
 
 
 class DRACOTrainer(AgentGRPOTrainer):
-    """DRACO on the agent GRPO base; see the module docstring. `judge` overrides the one built from the config."""
+    """DRACO on the agent GRPO base; see the module docstring. `judge` (keyword-only) overrides the one built from the
+    config; the other parameters are the base's, in TRL's order."""
 
-    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, judge=None, **kw):
-        if not isinstance(args, DRACOConfig):
-            raise TypeError(f"args must be a DRACOConfig, got {type(args).__name__}")
+    config_class = DRACOConfig
+
+    def __init__(
+        self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, *rest, judge=None, **kw
+    ):
+        args = self.as_config(args, model)  # the judge and the reward are built from it before the base's __init__
         judge = judge if judge is not None else build_judge(args, [train_dataset, eval_dataset])
         self.pipeline = RubricPipeline(
             judge,
@@ -149,7 +276,7 @@ class DRACOTrainer(AgentGRPOTrainer):
         per_step = args.judge_backend == "self"  # D9: the self-judge changes every step, so S1 is regenerated
         self.draco_reward = DracoReward(self.pipeline, args.num_generations, per_step_identity=per_step)
         reward_funcs = [self.draco_reward, *(reward_funcs or [])]
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, **kw)
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, *rest, **kw)
         self.credit = None  # the latest batch's `CreditOutput` (fallback flags, reasons, multipliers), for inspection
         if isinstance(judge, LocalModelJudge) and judge.model is None:  # self-judge: the policy judges itself
             judge.model, judge.tokenizer = self.model, self.processing_class

@@ -10,12 +10,10 @@ Arithmetic runs in float64 and the result is cast back to the dtype of the main 
 casts are differentiable.
 
 Sources: T1, https://huggingface.co/papers/2609.11042 (`t1.md`: token ratio, clipped actor and critic losses); MPO,
-no arXiv id yet (`mpo.md`: turn-level ratio with stop-gradient, dual clip).
+no arXiv id yet (`mpo.md`: dual clip). MPO's turn-level ratio and actor loss live in `trainers/mpo.py`.
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -49,6 +47,31 @@ def masked_token_mean(per_token: Tensor, mask: Tensor, num_tokens: float | Tenso
     n = mask.bool().sum() if num_tokens is None else num_tokens
     n = torch.as_tensor(n, dtype=torch.float64, device=per_token.device).clamp(min=1.0)
     return (total / n).to(per_token.dtype)
+
+
+def dapo_token_count(
+    num_items_in_batch: Tensor, num_processes: int, steps_per_generation: int, training: bool
+) -> Tensor:
+    """N_tok for `masked_token_mean` on one micro-batch, as TRL's `loss_type="dapo"` normalises: the loss tokens of the
+    whole generation batch (`num_items_in_batch`, all ranks) per rank and, in training, per micro-batch of the
+    generation batch. Divide the aggregated loss by the gradient-accumulation steps as well (TRL multiplies this
+    normaliser by them instead). TRL 1.16 computes it inline in `GRPOTrainer._compute_loss` and exposes no function
+    for it; tests/test_trl_parity.py checks that TRL's dapo loss equals the loss built with this count.
+
+    Args:
+        num_items_in_batch (`Tensor`): 0-d, TRL's `inputs["num_items_in_batch"]`.
+        num_processes (`int`): ranks whose gradients are averaged.
+        steps_per_generation (`int`): micro-batches per generation batch.
+        training (`bool`): False in evaluation, where the batch is neither split nor accumulated.
+
+    Returns:
+        `Tensor`: 0-d, at least 1 / (num_processes * steps_per_generation).
+
+    >>> dapo_token_count(torch.tensor(40), num_processes=2, steps_per_generation=2, training=True)
+    tensor(10.)
+    """
+    n_tok = num_items_in_batch.clamp(min=1.0) / num_processes  # tokens per rank
+    return n_tok / steps_per_generation if training else n_tok  # per micro-batch (TRL's "dapo" normaliser)
 
 
 def clipped_surrogate(
@@ -137,126 +160,6 @@ def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask
     v_clip = v_old + (v - v_old).clamp(-clip, clip)  # Eq. 18
     loss = torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2)  # Eq. 18 / t1.md Eq. 12
     return torch.where(mask.bool(), loss, 0.0).to(values.dtype)
-
-
-def _turn_log_ratio64(
-    logps: Tensor, old_logps: Tensor, turn_index: Tensor, mask: Tensor, num_turns: int, mode: str
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(Lambda (B, K + 1) with a zero dump column, token log-ratio l (B, T), turn tokens (B, T), slot (B, T))."""
-    if mode not in ("product", "geomean"):
-        raise ValueError(f"mode must be 'product' or 'geomean', got {mode!r}")
-    B = logps.shape[0]
-    tok = mask.bool() & (turn_index >= 0)  # (B, T)
-    idx = torch.where(tok, turn_index.long(), torch.full_like(turn_index, num_turns, dtype=torch.long))  # (B, T)
-    ell = _masked64(logps, tok) - _masked64(old_logps.detach(), tok)  # (B, T) Eq. 13, 0 off the turn tokens
-    lam = torch.zeros(B, num_turns + 1, dtype=torch.float64, device=logps.device).scatter_add(1, idx, ell)  # Eq. 14
-    if mode == "geomean":
-        n = torch.zeros(B, num_turns + 1, dtype=torch.float64, device=logps.device).scatter_add(1, idx, tok.double())
-        lam = lam / n.clamp(min=1.0)  # Eq. 14, geomean
-    lam = torch.cat([lam[:, :num_turns], lam.new_zeros(B, 1)], dim=1)  # the dump column holds 0
-    return lam, ell, tok, idx
-
-
-def turn_log_ratio(
-    logps: Tensor,
-    old_logps: Tensor,
-    turn_index: Tensor,
-    mask: Tensor,
-    num_turns: int | None = None,
-    mode: Literal["product", "geomean"] = "product",
-) -> Tensor:
-    """Turn log-ratio Lambda_k (mpo.md Eq. 13-14), before the clamp; differentiable.
-
-        l_{k,i} = log pi_theta(y_{k,i}) - log pi_old(y_{k,i}),
-        Lambda_k = Σ_i l_{k,i} ("product")   or   Lambda_k = mean_i l_{k,i} ("geomean").
-
-    Args:
-        logps (`Tensor`): (B, T) log pi_theta of the sampled tokens.
-        old_logps (`Tensor`): (B, T) log pi_old.
-        turn_index (`Tensor`): (B, T) turn of each model token, -1 elsewhere.
-        mask (`Tensor`): (B, T) loss mask.
-        num_turns (`int`, *optional*): K; defaults to max(turn_index) + 1.
-        mode (`str`, *optional*, defaults to `"product"`): `"product"` or `"geomean"`.
-
-    Returns:
-        `Tensor`: (B, K) Lambda, 0 for turns without a model token, in the dtype of `logps`.
-    """
-    K = num_turns if num_turns is not None else (int(turn_index.max().item()) + 1 if turn_index.numel() else 0)
-    lam, _, _, _ = _turn_log_ratio64(logps, old_logps, turn_index, mask, K, mode)
-    return lam[:, :K].to(logps.dtype)
-
-
-def turn_importance_ratio(
-    logps: Tensor,
-    old_logps: Tensor,
-    turn_index: Tensor,
-    mask: Tensor,
-    clamp: float = 20.0,
-    mode: Literal["product", "geomean"] = "product",
-) -> Tensor:
-    """Complete-turn importance ratio with stop-gradient (mpo.md Eq. 13-15; MPO has no arXiv id yet).
-
-        rho_{k,i} = exp( sg[Lambda^_k - l_{k,i}] + l_{k,i} ),     Lambda^_k = clamp(Lambda_k, -clamp, +clamp)
-
-    Value: exp(Lambda^_k) on every token of turn k (the turn's sequence ratio in "product" mode). Gradient:
-    d rho_{k,i} / d l_{k,j} = rho_{k,i} if j = i and 0 otherwise (also across turns), so token i's advantage moves
-    only token i's log-probability. Tokens outside any turn get rho = 1 and no gradient.
-
-    Args:
-        logps (`Tensor`): (B, T) log pi_theta of the sampled tokens (differentiable).
-        old_logps (`Tensor`): (B, T) log pi_old (constant).
-        turn_index (`Tensor`): (B, T) turn of each model token, -1 elsewhere.
-        mask (`Tensor`): (B, T) loss mask.
-        clamp (`float`, *optional*, defaults to `20.0`): c_Lambda, the clamp on the turn log-ratio.
-        mode (`str`, *optional*, defaults to `"product"`): `"product"` or `"geomean"` (Eq. 14).
-
-    Returns:
-        `Tensor`: (B, T) rho, in the dtype of `logps`.
-    """
-    K = int(turn_index.max().item()) + 1 if turn_index.numel() else 0
-    lam, ell, tok, idx = _turn_log_ratio64(logps, old_logps, turn_index, mask, max(K, 0), mode)
-    lam_hat = lam.clamp(-clamp, clamp).gather(1, idx)  # (B, T) Eq. 14, clamp; 0 off the turn tokens
-    rho = torch.exp((lam_hat - ell).detach() + ell)  # Eq. 15
-    return rho.to(logps.dtype)
-
-
-def mpo_loss(
-    logps: Tensor,
-    old_logps: Tensor,
-    advantages: Tensor,
-    turn_index: Tensor,
-    mask: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    c_dual: float = 3.0,
-    clamp: float = 20.0,
-    mode: Literal["product", "geomean"] = "product",
-) -> Tensor:
-    """Per-token MPO actor loss: turn-level ratio (Eq. 15) in the PPO clip with a dual clip (mpo.md Eq. 16).
-
-        L_{k,i} = -min(rho_{k,i} A~_{k,i}, clip(rho_{k,i}, 1 - eps_low, 1 + eps_high) A~_{k,i});
-        for A~ < 0: L <- min(L, -c_dual * A~).
-
-    Every token of a turn shares the turn's ratio, so clip decisions depend only on (rho_k, sign A~_{k,i}). Aggregate
-    with `masked_token_mean` over the global token count (Eq. 16, `loss_type="dapo"`).
-
-    Args:
-        logps (`Tensor`): (B, T) log pi_theta (differentiable).
-        old_logps (`Tensor`): (B, T) log pi_old.
-        advantages (`Tensor`): (B, T) A~ (e.g. `mpo_advantages(...).advantages`).
-        turn_index (`Tensor`): (B, T) turn of each model token, -1 elsewhere.
-        mask (`Tensor`): (B, T) loss mask.
-        eps_low (`float`, *optional*, defaults to `0.2`): lower clip range.
-        eps_high (`float`, *optional*, defaults to `0.2`): upper clip range.
-        c_dual (`float`, *optional*, defaults to `3.0`): dual-clip constant.
-        clamp (`float`, *optional*, defaults to `20.0`): c_Lambda.
-        mode (`str`, *optional*, defaults to `"product"`): turn ratio mode.
-
-    Returns:
-        `Tensor`: (B, T) per-token loss, 0 off the mask, in the dtype of `logps`.
-    """
-    ratio = turn_importance_ratio(logps, old_logps, turn_index, mask, clamp, mode)  # Eq. 15
-    return clipped_surrogate(ratio, advantages, mask, eps_low, eps_high, c_dual)  # Eq. 16
 
 
 @torch.no_grad()

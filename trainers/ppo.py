@@ -65,7 +65,7 @@ import torch
 from peft import PeftModel
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
-from trl.trainer.utils import disable_dropout_in_model
+from trl.trainer import disable_dropout_in_model
 
 from rewards.verifiers import tito_mismatch_count
 from trainers.advantages import (
@@ -77,7 +77,13 @@ from trainers.advantages import (
     whiten,
 )
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
-from trainers.losses import clip_fractions, clipped_surrogate_loss, clipped_value_loss, masked_token_mean
+from trainers.losses import (
+    clip_fractions,
+    clipped_surrogate_loss,
+    clipped_value_loss,
+    dapo_token_count,
+    masked_token_mean,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -164,14 +170,18 @@ class Critic(nn.Module):
 
 class AgentPPOTrainer(AgentGRPOTrainer):
     """PPO with a critic for multi-turn agents, plus T1's critic practices; see the module docstring (which also lists
-    the logged metrics). Overrides the two hooks and the public `create_optimizer` / `save_model`."""
+    the logged metrics). Overrides the two hooks and the public `create_optimizer` / `save_model`.
 
-    def __init__(self, model, reward_funcs=None, args: PPOConfig | None = None, env_factory=None, **kwargs):
-        if not isinstance(args, PPOConfig):
-            raise TypeError(f"args must be a PPOConfig (or a subclass), got {type(args).__name__}")
+    The two hooks hold the critic machinery every critic method shares; a subclass (MPO) plugs in its own math by
+    overriding `estimate_advantages` (called by `compute_advantages`) and `actor_loss` (called by `policy_loss`)."""
+
+    config_class = PPOConfig
+
+    def __init__(self, model, reward_funcs=None, args: PPOConfig | None = None, *rest, **kwargs):
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        args = self.args  # a PPOConfig: the base converts a plain GRPOConfig or None (`config_class`)
         # per-turn environment rewards go on their turns (C3); any other reward is a trajectory reward
         self.per_turn_rewards = reward_funcs is None and args.reward == "env"
-        super().__init__(model, reward_funcs=reward_funcs, args=args, env_factory=env_factory, **kwargs)
         base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
         hidden = base.config.get_text_config().hidden_size
         self._capture: list[Tensor] | None = None  # values the backbone hook collects while not None
@@ -259,12 +269,15 @@ class AgentPPOTrainer(AgentGRPOTrainer):
     # ----------------------------------------------------------------------------------------------------------------
     # Hook 1: advantages
     def compute_advantages(self, batch: RolloutBatch) -> Tensor:
+        """The critic's steps around the estimator: loss mask without unscorable rows (t1.md D9), V_old, truncation and
+        bootstrap values (C4), `estimate_advantages`, optional whitening, the loss inputs `old_values` and `returns`,
+        the critic and advantage metrics and the TITO audit."""
         a = self.args
         mask = self.batch_mask(batch)  # (B, T)
         values, after = self.old_values(batch)  # (B, T), (B, T)
         truncated = batch.truncated & a.bootstrap_truncated  # (B,) C4
-        r_tok = place_turn_rewards(self.turn_reward_matrix(batch), batch.turn_index, mask)  # (B, T) C3
-        adv, ret = token_gae(r_tok, values, mask, truncated, a.gamma, a.lam, self.boot_values(batch, after))  # Eq. 6-8
+        boot = self.boot_values(batch, after)  # (B,)
+        adv, ret = self.estimate_advantages(batch, mask, values, truncated, boot)  # (B, T), (B, T)
         if a.whiten_advantages:
             adv = whiten(adv, mask, self.reduce_sum(masked_sums(adv, mask)))  # one affine map over the global batch
         batch.extras.update(old_values=values, returns=ret)
@@ -273,48 +286,29 @@ class AgentPPOTrainer(AgentGRPOTrainer):
         self.audit_tito(batch)
         return adv
 
+    def estimate_advantages(
+        self, batch: RolloutBatch, mask: Tensor, values: Tensor, truncated: Tensor, boot: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The estimator: advantages and critic targets, both (B, T), from the loss mask, V_old (B, T), the rows that
+        bootstrap (B,) and their bootstrap values (B,). PPO: token GAE over model tokens (t1.md Eq. 6-8)."""
+        r_tok = place_turn_rewards(self.turn_reward_matrix(batch), batch.turn_index, mask)  # (B, T) C3
+        return token_gae(r_tok, values, mask, truncated, self.args.gamma, self.args.lam, boot)  # t1.md Eq. 6-8
+
     # Hook 2: the loss
     def policy_loss(self, model, inputs: dict) -> Tensor:
-        logps, entropies, aux, values = self.forward_with_values(model, inputs, compute_entropy=True)
-        mask = self.ppo_mask(inputs)  # (B, T)
+        """actor + vf_coef * critic for one micro-batch, as global token means over the optimizer step (TRL's "dapo"
+        normaliser), scaled for gradient accumulation. One forward gives log-probs and values; the actor's per-token
+        loss comes from `actor_loss`, the critic's is the clipped value loss (t1.md Eq. 12)."""
+        a, train = self.args, self.model.training
+        logps, entropies, aux, values_all = self.forward_with_values(model, inputs, compute_entropy=True)
+        mask = self.loss_mask(inputs) * inputs["scorable"].unsqueeze(1)  # (B, T) without unscorable rows (D9)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old  # on-policy: ratio 1 (TRL skips the old forward)
-        adv = inputs["advantages"]  # (B, T)
-        actor_tok = clipped_surrogate_loss(logps, old, adv, mask, self.epsilon_low, self.epsilon_high)  # t1 Eq. 10-11
-        with torch.no_grad():
-            ratio = torch.exp((logps - old) * mask)  # (B, T) t1.md Eq. 10
-            clip = clip_fractions(ratio, adv, mask, self.epsilon_low, self.epsilon_high)["clip_frac"]
-        extra = {"actor/clip_frac": clip * mask.sum()}
-        return self.ppo_loss(actor_tok, logps, old, values, entropies, aux, mask, inputs, extra)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Helpers shared with MPO
-    def ppo_mask(self, inputs: dict) -> Tensor:
-        return self.loss_mask(inputs) * inputs["scorable"].unsqueeze(1)  # (B, T)
-
-    def critic_only(self) -> bool:
-        return self.model.training and self.state.global_step < self.args.critic_warmup_steps
-
-    def ppo_loss(
-        self,
-        actor_tok: Tensor,
-        logps: Tensor,
-        old_logps: Tensor,
-        values_all: Tensor,
-        entropies: Tensor,
-        aux: Tensor | None,
-        mask: Tensor,
-        inputs: dict,
-        extra: dict[str, Tensor],
-    ) -> Tensor:
-        """actor + vf_coef * critic for one micro-batch, as global token means, scaled for gradient accumulation.
-        `actor_tok` (B, T) is the per-token actor loss; `extra` holds local token sums of further metrics to log."""
-        a, train = self.args, self.model.training
-        T = mask.shape[1]
-        values = values_all[:, :-1][:, -T:]  # (B, T) state before each completion token
-        # N_tok of the optimizer step per rank and micro-batch (TRL's "dapo" normaliser); t1.md Eq. 11-12
-        n_tok = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-        n_tok = n_tok / a.steps_per_generation if train else n_tok
+        actor_tok, actor_sums = self.actor_loss(logps, old, inputs, mask)  # (B, T), local token sums to log
+        values = values_all[:, :-1][:, -mask.shape[1] :]  # (B, T) state before each completion token
+        n_tok = dapo_token_count(
+            inputs["num_items_in_batch"], self.accelerator.num_processes, a.steps_per_generation, train
+        )
         actor = masked_token_mean(actor_tok, mask, n_tok)  # t1.md Eq. 11
         vf_tok = clipped_value_loss(values, inputs["old_values"], inputs["returns"], mask, a.cliprange_value)  # Eq. 12
         critic = masked_token_mean(vf_tok, mask, n_tok)  # t1.md Eq. 12
@@ -323,7 +317,7 @@ class AgentPPOTrainer(AgentGRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux
         with torch.no_grad():
             m = mask.bool()
-            log_ratio = (logps - old_logps).double()  # (B, T)
+            log_ratio = (logps - old).double()  # (B, T)
             moved = ((values - inputs["old_values"]).abs() > a.cliprange_value) & m
             sums = {
                 "actor/loss": actor_tok.double()[m].sum(),
@@ -332,7 +326,7 @@ class AgentPPOTrainer(AgentGRPOTrainer):
                 "critic/value_loss": vf_tok.double()[m].sum(),
                 "critic/value_clip_frac": moved.sum().double(),
             }
-            self.log_token_means({**sums, **extra}, m.sum().double())
+            self.log_token_means({**sums, **actor_sums}, m.sum().double())
         if train:
             self.log_metric("critic/only_phase", float(self.critic_only()))
             for group in self.optimizer.param_groups:
@@ -342,14 +336,43 @@ class AgentPPOTrainer(AgentGRPOTrainer):
             return loss / self.current_gradient_accumulation_steps  # TRL's loss_is_scaled_for_ga
         return loss
 
+    def actor_loss(
+        self, logps: Tensor, old_logps: Tensor, inputs: dict, mask: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The actor's per-token loss (B, T), 0 off `mask`, and local token sums of its own metrics (logged as means
+        over the loss tokens). PPO: the clipped surrogate with the token ratio (t1.md Eq. 10-11)."""
+        eps_low, eps_high = self.clip_range()
+        adv = inputs["advantages"]  # (B, T)
+        actor_tok = clipped_surrogate_loss(logps, old_logps, adv, mask, eps_low, eps_high)  # t1.md Eq. 10-11
+        with torch.no_grad():
+            ratio = torch.exp((logps - old_logps) * mask)  # (B, T) t1.md Eq. 10
+            clip = clip_fractions(ratio, adv, mask, eps_low, eps_high)["clip_frac"]
+        return actor_tok, {"actor/clip_frac": clip * mask.sum()}
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Helpers shared with MPO
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) from the config, as TRL reads them: `epsilon_high` defaults to `epsilon`."""
+        a = self.args
+        return a.epsilon, a.epsilon if a.epsilon_high is None else a.epsilon_high
+
+    def critic_only(self) -> bool:
+        return self.model.training and self.state.global_step < self.args.critic_warmup_steps
+
     def reduce_sum(self, x: Tensor) -> Tensor:
         return self.accelerator.reduce(x, reduction="sum")
 
+    def reduce_sums(self, sums: dict[str, Tensor]) -> dict[str, float]:
+        """Named local sums (0-d tensors), summed over processes in one all-reduce."""
+        total = self.reduce_sum(torch.stack([s.double().reshape(()) for s in sums.values()]))
+        return dict(zip(sums, total.tolist(), strict=True))
+
     def log_token_means(self, sums: dict[str, Tensor], count: Tensor) -> None:
         """Log global means: each entry is a local sum, `count` the local count; one all-reduce for all."""
-        total = self.reduce_sum(torch.stack([*(s.double().reshape(()) for s in sums.values()), count.double()]))
-        for name, value in zip(sums, total[:-1], strict=True):
-            self.log_metric(name, (value / total[-1].clamp(min=1.0)).item())
+        total = self.reduce_sums({**sums, "count": count})
+        n = max(total.pop("count"), 1.0)
+        for name, value in total.items():
+            self.log_metric(name, value / n)
 
     def log_critic_metrics(self, returns: Tensor, values: Tensor, mask: Tensor) -> float:
         """Explained variance from all-reduced sums (t1.md Eq. 14-15); warns when negative for a streak (D16)."""
@@ -392,30 +415,31 @@ class AgentPPOTrainer(AgentGRPOTrainer):
 
     # ----------------------------------------------------------------------------------------------------------------
     # Optimizer: a critic parameter group (t1.md Eq. 13) and the critic-only warm-up (t1.md D4)
-    def create_optimizer(self, model=None):
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """`Trainer.create_optimizer` (its decay / no-decay groups, optimizer class and kwargs), with each group split
+        into an actor part and a critic part at `critic_lr_multiplier` x its learning rate (t1.md Eq. 13), then the
+        critic-only warm-up hook (t1.md D4). Groups carry `role`: "actor" or "critic"."""
         if self.optimizer is not None:
             return self.optimizer
-        opt_model = self.model if model is None else model
-        decay = set(self.get_decay_parameter_names(opt_model))
-        critic = {id(p) for p in self.critic.parameters()}
-        groups = []
-        for role, lr in (("actor", self.args.learning_rate), ("critic", self.args.learning_rate)):
-            lr = lr * self.args.critic_lr_multiplier if role == "critic" else lr  # t1.md Eq. 13
-            for decayed in (True, False):
-                params = [
-                    p
-                    for n, p in opt_model.named_parameters()
-                    if p.requires_grad and (id(p) in critic) == (role == "critic") and (n in decay) == decayed
-                ]
-                wd = self.args.weight_decay if decayed else 0.0
-                groups.append({"params": params, "weight_decay": wd, "lr": lr, "role": role})
-        if self.optimizer_cls_and_kwargs is not None:
-            cls, kwargs = self.optimizer_cls_and_kwargs
-        else:
-            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
-        self.optimizer.register_step_pre_hook(self._freeze_actor_during_warmup)
-        return self.optimizer
+        optimizer = super().create_optimizer(model)
+        critic = {id(p) for p in self.critic.parameters() if p.requires_grad}
+        if {id(p) for group in optimizer.param_groups for p in group["params"]} & critic != critic:
+            raise ValueError(
+                "the critic needs its own parameter group (t1.md Eq. 13), but the optimizer was not built from "
+                f"Trainer's parameter groups (optim={self.args.optim!r}); use a standard optimizer such as adamw_torch"
+            )
+        critic_groups = []
+        for group in optimizer.param_groups:
+            params = group["params"]
+            critic_groups.append({**group, "params": [p for p in params if id(p) in critic], "role": "critic"})
+            critic_groups[-1]["lr"] = group["lr"] * self.args.critic_lr_multiplier  # t1.md Eq. 13
+            group.update(params=[p for p in params if id(p) not in critic], role="actor")
+        optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+        for group in critic_groups:
+            if group["params"]:
+                optimizer.add_param_group(group)
+        optimizer.register_step_pre_hook(self._freeze_actor_during_warmup)
+        return optimizer
 
     def _freeze_actor_during_warmup(self, optimizer, args, kwargs) -> None:
         """Critic-only steps: drop the actor's gradients so its weights (and optimizer state) stay untouched."""

@@ -19,6 +19,22 @@ What this module does:
    formula (Eq. 4-5); with `weights=` it is the test-only full replay (D11). Validation is strict (D4, §7 item 11).
 5. Diagnostics: flip rate (`routing_flips`, Eq. 9) and record size (`record_bytes_per_token`, Eq. 8).
 6. `force_replay_settings` zeroes the aux-loss coefficient in the model config and Mixtral jitter (D10).
+7. In the trainer (`RoutingReplay`, the one object `AgentGRPOTrainer` owns and calls at named points), with
+   `routing_replay: true`: the agent loop records every router's top-k expert ids during HF generation; the per-row
+   records (stitched over turns, D5) are laid out in TRL's training layout as the batch-first `routing` (B, S, L, k)
+   tensor of the batch, so TRL shuffles and splits it with the rows (D4). The policy's own log-prob forwards
+   (old-log-prob pass, actor forward and its checkpoint recompute) replay the recorded selection with gate weights from
+   the live router logits (Eq. 3); the reference pass (a separate model, or the PEFT policy with adapters disabled), a
+   separate critic and generation route freely (D7). A replay installed for a forward with gradient is held until the
+   micro-step's backward has run (D8), and a chunked forward replays each chunk's row slice (D9). The load-balancing
+   loss and Mixtral jitter are forced to 0 (D10). Unsupported setups raise at init (D1, D12, D13).
+
+Logged metrics of MoE policies (routing-replay.md §8): `routing/logp_gap` (Eq. 10, mean |old-policy log-prob -
+sampler log-prob| over model tokens; on-policy runs use the first actor forward on the batch; logged with and without
+replay), and with replay on: `routing/replay_active` (1), `routing/flip_frac` and `routing/flip_token_frac` (Eq. 9,
+free routing vs the record, one micro-batch every 10 optimizer steps), `routing/prefix_recompute_mismatch_frac`
+(Eq. 11), `routing/record_bytes_per_token` and `routing/record_mb` (Eq. 8, the batch's `routing` tensor over all
+processes), `routing/router_grad_norm` (when the routers are trainable).
 
 What it leaves out:
 
@@ -27,28 +43,36 @@ What it leaves out:
   each has its identity test (D12).
 * Placeholder copies at re-tokenised boundaries (D6): the project's rollouts are token-in/token-out, so a missing
   record is always an error here.
-* Deciding which trainer pass replays (D7), the replay state's lifetime around backward (D8) and the chunk slicing
-  (D9): the trainer enters `replay_routes` around the right calls with the matching row slice.
+* Overriding TRL: the trainer (trainers/base.py) overrides TRL's private methods and calls `RoutingReplay` from
+  them, handing in TRL's own log-prob forward.
 * TRL's own `GRPOConfig.router_aux_loss_coef`, which the trainer must set to 0.0 itself (D10).
 """
 
 import logging
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from peft import PeftModel
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, MixtralTopKRouter
 from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+if TYPE_CHECKING:
+    from trainers.agent_loop import Rollout
+    from trainers.base import AgentGRPOTrainer
 
 logger = logging.getLogger(__name__)
 
 ROUTE_DTYPE = torch.int16  # routing-replay.md §5: record dtype int16 (E <= 32767 plus the sentinel)
 NO_ROUTE = -1  # routing-replay.md §3: "no record" (padding, and each row's final position)
+FLIP_EVERY = 10  # routing-replay.md §5 / D14: the flip diagnostic runs on one micro-batch every 10 optimizer steps
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -507,3 +531,359 @@ def routing_flips(recorded: Tensor, live: Tensor, mask: Tensor | None = None) ->
 def record_bytes_per_token(routes: Tensor) -> int:
     """Eq. 8: bytes stored per token, L * k * itemsize, for any route tensor whose last two axes are (L, k)."""
     return routes.shape[-2] * routes.shape[-1] * routes.element_size()  # Eq. 8: L * k * 2 at int16
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 7. The trainer's replay state
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class RoutingReplay:
+    """The routing-replay state of one `AgentGRPOTrainer` (D7-D9, D14), which owns it and calls it at named points:
+
+    * `setup(policy)` once after TRL's init: refuses unsupported setups (D1, D12, D13), forces the replay settings
+      (D10); returns whether replay is on.
+    * `take_rollouts(rollouts)` after the agent loop has played a batch: checks and keeps the per-row records (§3),
+      logs Eq. 11.
+    * `generation()` around TRL's generate-and-score, then `add_routes(out)` (lays the records out as the batch's
+      `routing`, D4) and `log_batch_metrics(out)` (Eq. 8, and Eq. 10 from the old-log-prob pass).
+    * `micro_batch(inputs, first_micro_step)` around one micro-batch's loss: its routes, Eq. 9 every `FLIP_EVERY`
+      optimizer steps, the on-policy Eq. 10.
+    * `logps(forward, model, ...)` around TRL's log-prob forward `forward`: the policy's own passes replay (Eq. 3).
+    * `release()` after a micro-step's backward (D8), `log_step_metrics()` at an optimizer step's last micro-step.
+    * `free_routing()`: policy forwards inside route freely (D7).
+
+    It reads the trainer's accelerator, model, args, `log_metric`, `loss_mask` and `forward_logps`; TRL's private
+    methods are called only by the trainer, which hands them in (`forward`).
+
+    Args:
+        trainer (`AgentGRPOTrainer`): the trainer that owns this state.
+    """
+
+    def __init__(self, trainer: "AgentGRPOTrainer") -> None:
+        self.trainer = trainer
+        self.active = False  # True once setup found a supported MoE policy with replay on
+        self.moe = False  # the policy has MoE routers (supported or not): Eq. 10 is logged with and without replay
+        self._rollout_routes: list[Tensor] | None = None  # per-row records of the batch being generated
+        self._routing: Tensor | None = None  # (B, S, L, k) routes of the batch the policy forwards run on
+        self._replay_hooks = ExitStack()  # replay installed for a grad forward, kept until its backward has run (D8)
+        self._replay_held = False  # `_replay_hooks` holds an installed replay
+        self._free_routing = 0  # depth of `free_routing()` blocks
+        self._gap_inputs: dict | None = None  # on-policy Eq. 10: the micro-batch whose first actor forward is measured
+        self._gap_sums = torch.zeros(2, dtype=torch.float64)  # Eq. 10 numerator and denominator, this optimizer step
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Set-up and rollouts
+    def setup(self, policy: nn.Module) -> bool:
+        """Refuse unsupported setups at init (D1, D12, D13) and force the replay settings (D10). Returns `active`;
+        the trainer then turns TRL's aux loss off (router_aux_loss_coef is 0.0, `AgentGRPOConfig.__post_init__`)."""
+        trainer = self.trainer
+        self.moe = is_moe(policy)
+        if not trainer.args.routing_replay:
+            return False
+        if find_routers(policy) is None:  # raises for an MoE family without a replay adapter (D12)
+            logger.info("routing_replay: %s has no MoE router; replay is a no-op", type(policy).__name__)
+            return False
+        if trainer.use_vllm:
+            raise ValueError(
+                "routing_replay needs the sampler's routes, and TRL's vLLM client does not return them "
+                "(routing-replay.md D1); set use_vllm: false (HF generation records them) or routing_replay: false"
+            )
+        if trainer.env_factory is None or trainer.tools:
+            raise ValueError(
+                "routing_replay records routes in the project's agent loop (trainers/agent_loop.py): pass env_factory "
+                "and no tools/environment_factory (routing-replay.md D13)"
+            )
+        force_replay_settings(policy)  # logs a warning per forced value (D10)
+        self.active = True
+        return True
+
+    def take_rollouts(self, rollouts: "list[Rollout]") -> None:
+        """Keep the agent loop's per-row records on the trainer, where the old-log-prob pass that TRL runs before
+        merging rollout fields into the rows finds them (D7); log Eq. 11."""
+        if not self.active:
+            return
+        for b, r in enumerate(rollouts):
+            n_fed = len(r.prompt_ids) + len(r.completion_ids)  # N_b
+            if r.routes is None or r.routes.shape[0] != n_fed - 1:
+                found = None if r.routes is None else tuple(r.routes.shape)
+                raise ValueError(
+                    f"routing replay: rollout {b} feeds {n_fed} tokens but its route record is {found}, not "
+                    f"({n_fed - 1}, L, k) (routing-replay.md §3)"
+                )
+        self._rollout_routes = [r.routes for r in rollouts]
+        accelerator = self.trainer.accelerator
+        mismatch = torch.tensor([sum(r.route_mismatch for r in rollouts), sum(r.route_compared for r in rollouts)])
+        mismatch = accelerator.reduce(mismatch.to(accelerator.device), reduction="sum")
+        frac = mismatch[0] / mismatch[1].clamp(min=1)  # Eq. 11
+        self.trainer.log_metric("routing/prefix_recompute_mismatch_frac", frac)
+
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        """Around TRL's generate-and-score: nothing replays during generation (D7); the records live until the block
+        ends, the laid-out routes until the batch's loss."""
+        self.release()
+        self._rollout_routes, self._routing = None, None
+        try:
+            yield
+        finally:
+            self._rollout_routes = None
+
+    def add_routes(self, out: dict) -> None:
+        """Put the batch's `routing` (B, S, L, k) into TRL's output, batch-first so TRL shuffles and splits it with
+        the rows (D4); policy forwards on this batch replay it until the loss."""
+        if not self.active:
+            return
+        if self._routing is None:  # no old-log-prob pass laid it out already
+            self._routing = self._layout_routes(out["prompt_mask"], out["completion_ids"].size(1))
+        out["routing"] = self._routing  # (B, S, L, k)
+
+    def _layout_routes(self, prompt_mask: Tensor, completion_width: int) -> Tensor:
+        """The rollout's per-row records in TRL's training layout, (B, P + T, L, k), -1 where there is none (D4)."""
+        if self._rollout_routes is None:
+            raise ValueError(
+                "routing replay: no route records for this batch; were the rollouts played by the agent loop?"
+            )
+        prompt_lens = prompt_mask.sum(1).cpu()  # (B,)
+        records_len = torch.tensor([r.shape[0] for r in self._rollout_routes])  # (B,) N_b - 1
+        completion_lens = records_len + 1 - prompt_lens  # (B,) every completion token is fed: model and environment
+        if completion_lens.min() < 1 or completion_lens.max() > completion_width:
+            raise ValueError(
+                f"routing replay: route records of {records_len.tolist()} rows do not fit prompts of "
+                f"{prompt_lens.tolist()} tokens and a completion width of {completion_width}"
+            )
+        completion_mask = torch.arange(completion_width)[None, :] < completion_lens[:, None]  # (B, T)
+        return routes_to_training_layout(
+            self._rollout_routes, prompt_mask, completion_mask.long().to(prompt_mask.device)
+        )
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # The policy's log-prob forwards
+    @contextmanager
+    def free_routing(self) -> Iterator[None]:
+        """Policy forwards inside this block route freely even when replay is on (e.g. a critic adapter on the
+        policy's base, routing-replay.md D7). Under activation checkpointing, run them before the actor forward."""
+        self._free_routing += 1
+        try:
+            yield
+        finally:
+            self._free_routing -= 1
+
+    @contextmanager
+    def micro_batch(self, inputs: dict, first_micro_step: Callable[[], bool]) -> Iterator[None]:
+        """Around one micro-batch's loss: checks its `routing`, runs the flip diagnostic on the first micro-step
+        (`first_micro_step()`, asked only then) of every `FLIP_EVERY`-th optimizer step (D14), and marks the batch for
+        the on-policy Eq. 10."""
+        trainer = self.trainer
+        if self.active:
+            if inputs.get("routing") is None:
+                raise ValueError(
+                    "routing replay is on but the micro-batch has no `routing` tensor: batches must come from this "
+                    "trainer's `_generate_and_score_completions` with the agent loop (routing-replay.md D4)"
+                )
+            if trainer.model.training and trainer.state.global_step % FLIP_EVERY == 0 and first_micro_step():
+                self._log_flips(inputs)
+        if self.moe and trainer.model.training and inputs.get("old_per_token_logps") is None:
+            self._gap_inputs = inputs  # on-policy: Eq. 10 from the first actor forward at the behaviour weights (D14)
+        self._routing = inputs.get("routing") if self.active else None  # this micro-batch's routes
+        try:
+            yield
+        finally:
+            self._routing, self._gap_inputs = None, None
+
+    def logps(
+        self,
+        forward: Callable,
+        model: nn.Module,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        logits_to_keep: int,
+        batch_size: int | None,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
+        multimodal: dict,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """TRL's log-prob forward `forward` (same arguments), wrapped in `replay_routes` (Eq. 3) for the policy's own
+        passes; returns its (logps (B, T), entropies, aux loss)."""
+        routing = self._policy_routing(model, input_ids, attention_mask, logits_to_keep)
+        if routing is None:
+            if self._replay_held and self._unwrap(model) is self._unwrap(self.trainer.model):
+                self._end_replay_before_free_forward()  # the same routers: a held replay must not apply here
+            logps, entropies, aux_loss = forward(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal,
+            )
+        else:
+            logps, entropies, aux_loss = self._replayed_logps(
+                forward,
+                model,
+                routing,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                multimodal,
+            )
+        if self._gap_inputs is not None and torch.is_grad_enabled() and self._is_policy(model):
+            self._add_gap(logps.detach(), self._gap_inputs)  # on-policy Eq. 10 (D14)
+            self._gap_inputs = None
+        return logps, entropies, aux_loss
+
+    def _unwrap(self, model: nn.Module) -> nn.Module:
+        return self.trainer.accelerator.unwrap_model(model)
+
+    def _is_policy(self, model: nn.Module) -> bool:
+        """True for a forward of the policy with its own adapter: not a separate reference or critic model, not the
+        PEFT reference (adapters disabled, or TRL's "ref" adapter), routing-replay.md D7."""
+        policy = self._unwrap(self.trainer.model)
+        if self._unwrap(model) is not policy:
+            return False
+        if isinstance(policy, PeftModel):
+            return policy.active_adapter != "ref" and policy.get_model_status().enabled is not False
+        return True
+
+    def _policy_routing(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int) -> Tensor | None:
+        """The (B, S, L, k) routes to replay in this forward, or None to route freely (D7). Raises when routes are
+        due but missing or misaligned (§2 item 5: never a silent fallback to free routing)."""
+        if not self.active or self._free_routing or not self._is_policy(model):
+            return None
+        if self._routing is None and self._rollout_routes is not None:  # the old-log-prob pass inside generation
+            prompt_mask = attention_mask[:, : input_ids.size(1) - logits_to_keep]  # (B, P)
+            self._routing = self._layout_routes(prompt_mask, logits_to_keep)
+        if self._routing is None:
+            raise ValueError(
+                "routing replay: a policy log-prob forward ran without routes; call it from `_compute_loss` (whose "
+                "inputs carry `routing`) or inside `free_routing()` for a pass that must route freely"
+            )
+        if self._routing.shape[:2] != input_ids.shape:
+            raise ValueError(
+                f"routing replay: routing covers (B, S) = {tuple(self._routing.shape[:2])} but the forward's "
+                f"input_ids are {tuple(input_ids.shape)}; slice `routing` exactly like the rows of the batch (D4, D9)"
+            )
+        return self._routing
+
+    def _replayed_logps(
+        self,
+        forward,
+        model,
+        routing,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size,
+        compute_entropy,
+        compute_aux_loss,
+        multimodal,
+    ):
+        if any(value is not None for value in multimodal.values()):
+            raise ValueError("routing replay supports text-only policies (no multimodal inputs)")
+        B = input_ids.size(0)
+        chunk = batch_size or B
+        if torch.is_grad_enabled() and chunk < B:
+            raise ValueError("routing replay: a forward with gradient must run as one chunk (D8, D9)")
+        logps, entropies, aux_losses = [], [], []
+        settings = (logits_to_keep, None, compute_entropy, compute_aux_loss)
+        for start in range(0, B, chunk):
+            rows = slice(start, start + chunk)
+            replay = replay_routes(model, routing[rows], attention_mask[rows])  # Eq. 3, the chunk's row slice (D9)
+            if torch.is_grad_enabled():  # D8: held until the step's backward (and checkpoint recompute) has run
+                self._end_replay_before_free_forward()
+                self._replay_hooks.enter_context(replay)
+                self._replay_held = True
+                replay = nullcontext()
+            with replay:
+                out = forward(model, input_ids[rows], attention_mask[rows], *settings)
+            logps.append(out[0])
+            entropies.append(out[1])
+            aux_losses.append(out[2])
+        return (
+            torch.cat(logps, dim=0),
+            torch.cat(entropies, dim=0) if compute_entropy else None,
+            torch.stack(aux_losses).mean() if compute_aux_loss else None,  # as TRL averages its chunks
+        )
+
+    def _end_replay_before_free_forward(self) -> None:
+        """Remove a replay installed for an earlier grad forward of this step; refuse when its backward would need it
+        (an activation-checkpoint recompute would route freely, D8)."""
+        if self._replay_held and self.trainer.args.activation_checkpointing:
+            raise RuntimeError(
+                "routing replay: with activation checkpointing, a training step may run one replayed policy forward "
+                "with gradient, and any other policy forward must come before it (D8)"
+            )
+        self.release()
+
+    def release(self) -> None:
+        """Remove the replay held for a grad forward; after the micro-step's backward has run (D8)."""
+        self._replay_hooks.close()
+        self._replay_held = False
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Metrics (§8)
+    def _add_gap(self, logps: Tensor, inputs: dict) -> None:
+        """Accumulate Eq. 10 over micro-batches: sum m |log pi_train - q| and sum m."""
+        sampling = inputs.get("sampling_per_token_logps")
+        if sampling is None:
+            return
+        mask = self.trainer.loss_mask(inputs).double()  # (B, T) model tokens
+        diff = (logps.double() - sampling.double()).abs().nan_to_num(0.0)  # (B, T)
+        self._gap_sums += torch.stack([(diff * mask).sum(), mask.sum()]).cpu()  # Eq. 10, numerator and denominator
+
+    def log_batch_metrics(self, out: dict) -> None:
+        """Per generation batch of an MoE policy: Eq. 10 from the old-log-prob pass, and the size of the routes
+        (Eq. 8)."""
+        if not self.moe:
+            return
+        if out.get("old_per_token_logps") is not None:  # off-policy: the old pass ran at the behaviour weights
+            self._add_gap(out["old_per_token_logps"], out)
+            self._flush_gap()
+        if not self.active:
+            return
+        trainer = self.trainer
+        routing = out["routing"]  # (B, S, L, k)
+        trainer.log_metric("routing/replay_active", 1.0)
+        trainer.log_metric("routing/record_bytes_per_token", record_bytes_per_token(routing))  # Eq. 8: L * k * 2
+        nbytes = torch.tensor(float(routing.numel() * routing.element_size()), device=trainer.accelerator.device)
+        trainer.log_metric("routing/record_mb", trainer.accelerator.reduce(nbytes, reduction="sum") / 2**20)  # Eq. 8
+
+    def _flush_gap(self) -> None:
+        accelerator = self.trainer.accelerator
+        sums = accelerator.reduce(self._gap_sums.to(accelerator.device), reduction="sum")  # global sums
+        if sums[1] > 0:
+            self.trainer.log_metric("routing/logp_gap", sums[0] / sums[1])  # Eq. 10: divides by sum m
+        self._gap_sums.zero_()
+
+    def log_step_metrics(self) -> None:
+        """At an optimizer step's last micro-step: the on-policy Eq. 10 and the router gradient norm."""
+        if self.moe:
+            self._flush_gap()  # on-policy: the actor forwards of this step ran at the behaviour weights (D14)
+        if not self.active:
+            return
+        policy = self._unwrap(self.trainer.model)
+        grads = [r.weight.grad for r in find_routers(policy).modules if r.weight.grad is not None]  # None under ZeRO-3
+        grads = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]  # FSDP2 shards: a collective
+        if grads:
+            norm = torch.stack([g.detach().float().norm() for g in grads]).norm()
+            self.trainer.log_metric("routing/router_grad_norm", norm)
+
+    def _log_flips(self, inputs: dict) -> None:
+        """Eq. 9 on this micro-batch: a free-routing forward without gradient against the record (D14)."""
+        trainer = self.trainer
+        policy = self._unwrap(trainer.model)
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # (B, S)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # (B, S)
+        with torch.no_grad(), self.free_routing(), RouteRecorder(policy) as recorder:
+            trainer.forward_logps(policy, inputs)  # TRL's forward; aux loss off under replay (D10)
+        live = recorder.indices(input_ids.size(0))  # (B, S, L, k)
+        rows = trainer.loss_mask(inputs).sum(1, keepdim=True) > 0  # (B, 1) rows bearing model tokens
+        flip_frac, flip_token_frac = routing_flips(inputs["routing"], live, mask=attention_mask.bool() & rows)  # Eq. 9
+        flips = trainer.accelerator.gather(torch.stack([flip_frac, flip_token_frac]).float()[None])  # (processes, 2)
+        trainer.log_metric("routing/flip_frac", flips[:, 0].mean())
+        trainer.log_metric("routing/flip_token_frac", flips[:, 1].mean())
