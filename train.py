@@ -22,7 +22,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 from envs import ENVIRONMENTS  # noqa: E402
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"run": asdict(run), "model": name, "trainer": run.trainer}
     if not run.skip_eval:
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32)
+        set_seed(config.seed)  # reproducible sampled held-out episodes; the trainer seeds again before RL
         summary["before"] = held_out(model, tokenizer, env_cls, run, config, eval_tasks)
         print(f"held-out success before RL: {json.dumps(summary['before'])}")
         del model

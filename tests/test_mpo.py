@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.test_ppo import capture_audits, check_tito_audit
+from tests.test_ppo import capture_audits, capture_batches, check_tito_audit, logged
 from tests.test_ppo import make_trainer as make_ppo_trainer
 from trainers.mpo import MPOConfig, MPOTrainer
 
@@ -18,10 +18,6 @@ from trainers.mpo import MPOConfig, MPOTrainer
 def make_trainer(folder, tokenizer, tmp_path, **kw):
     # mpo.md D15: 1 epoch x 2 minibatches (test_ppo's builder sets steps_per_generation=2), so the turn ratio matters
     return make_ppo_trainer(folder, tokenizer, tmp_path, trainer_cls=MPOTrainer, config_cls=MPOConfig, **kw)
-
-
-def logged(trainer, key: str) -> list[float]:
-    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 def reference_mpo(values, mask, turn_index, reward, lam, lam_intra, beta, gamma):
@@ -101,20 +97,7 @@ def test_mpo_advantages_on_the_batch(tiny_model_folder, tiny_tokenizer, tmp_path
     torch.nn.init.normal_(trainer.critic.weight, std=0.5)  # non-zero values inside and between turns
     a = trainer.args
     assert (a.turn_lambda, a.intra_turn_lambda, a.token_residual_scale, a.turn_gamma) == (0.8, 0.95, 1.0, 1.0)
-    seen = []
-    original = trainer.compute_advantages
-
-    def capture(batch):
-        adv = original(batch)
-        # the critic's values before any update: backbone + head, read one position left of each completion token
-        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
-        attn = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
-        with torch.no_grad():
-            hidden = trainer.model.model(input_ids=ids, attention_mask=attn).last_hidden_state
-            seen.append((batch, adv, trainer.critic(hidden).squeeze(-1)))  # v_all (B, L)
-        return adv
-
-    trainer.compute_advantages = capture
+    seen = capture_batches(trainer)
     trainer.train()
     batch, adv, v_all = seen[0]
     mask, turn_index = batch.mask, batch.turn_index

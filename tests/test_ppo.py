@@ -69,6 +69,24 @@ def capture_audits(trainer) -> list:
     return seen
 
 
+def capture_batches(trainer) -> list:
+    """Wrap `trainer.compute_advantages` so that every batch is kept with its advantages and the critic's values
+    v_all (B, L) before any update (value-head trainers: backbone + head, recomputed here by a plain forward)."""
+    seen, original = [], trainer.compute_advantages
+
+    def capture(batch):
+        adv = original(batch)
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+        attn = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
+        with torch.no_grad():
+            hidden = trainer.model.model(input_ids=ids, attention_mask=attn).last_hidden_state
+            seen.append((batch, adv, trainer.critic(hidden).squeeze(-1)))  # v_all (B, L)
+        return adv
+
+    trainer.compute_advantages = capture
+    return seen
+
+
 def check_tito_audit(trainer, batch) -> None:
     """t1.md Eq. 17 on a real rollout batch, checked without the audit: the loss positions of every row hold exactly
     the ids the sampler emitted, on a non-zero number of tokens; one corrupted sampled id then makes the audit fail."""
@@ -148,20 +166,7 @@ def test_gae_skips_environment_tokens_and_bootstraps_truncated_rows(tiny_model_f
         lam=0.8,
     )
     torch.nn.init.normal_(trainer.critic.weight, std=0.5)  # non-zero values, so alignment and bootstrapping matter
-    seen = []
-    original = trainer.compute_advantages
-
-    def capture(batch):
-        adv = original(batch)
-        # reference values before any update: backbone + head, read one position left of each completion token
-        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
-        attn = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
-        with torch.no_grad():
-            hidden = trainer.model.model(input_ids=ids, attention_mask=attn).last_hidden_state
-            seen.append((batch, adv, trainer.critic(hidden).squeeze(-1)))  # v_all (B, L)
-        return adv
-
-    trainer.compute_advantages = capture
+    seen = capture_batches(trainer)
     trainer.train()
     batch, adv, v_all = seen[0]
     mask = batch.mask
