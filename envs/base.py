@@ -43,6 +43,10 @@ class Env:
     tiny_sft_steps: int | None = None
     #: JSON schemas of the tools rendered into the prompt by the chat template, or None for plain text actions
     tools: list[dict] | None = None
+    #: True when an episode cut by a budget would really have gone on (an open-ended task with no final verdict):
+    #: critic trainers then bootstrap it from the value. False (every built-in): a cut episode is a finished failure
+    #: (docs/methods/conventions.md C4)
+    continues_past_cut: bool = False
 
     def __init__(self, difficulty: int = 0):
         self.difficulty = difficulty

@@ -20,7 +20,8 @@ rewards.
 
 Returned per rollout (the data contract of DESIGN.md): `prompt_ids`, `completion_ids`, `logprobs`, `env_mask`,
 `turn_index`, `turn_rewards` (K), `state_keys` (K, the state before each turn), `transcript` (per turn: action,
-observation, reward), `env_reward`, `success`, `truncated`, `final_info`.
+observation, reward), `env_reward`, `success`, `truncated`, `continues` (truncated in an environment that declares
+`continues_past_cut`), `final_info`.
 
 MoE routing replay (R3, `docs/methods/routing-replay.md`): a generation backend may also return, per context, the route
 record of that call (`hf_generate(..., record_routes=True)`); `play` then keeps one record per rollout, stitched over
@@ -72,6 +73,7 @@ class Rollout:
     transcript: list[dict] = field(default_factory=list)
     done: bool = False
     truncated: bool = False
+    continues: bool = False  # truncated, in an environment whose episodes go on past a cut (conventions.md C4)
     success: bool = False
     env_errors: int = 0  # environment exceptions and timeouts, turned into observations
     final_info: dict = field(default_factory=dict)
@@ -216,6 +218,7 @@ def play(
             out_of_tokens = len(r.completion_ids) >= settings.max_completion_length
             if done or k + 1 >= turns[i] or out_of_tokens:
                 r.done, r.truncated = True, not done
+                r.continues = r.truncated and envs[i].continues_past_cut
                 bar.update(1)
                 continue
             obs_ids = tokenizer(
@@ -225,6 +228,7 @@ def play(
                 obs_ids = [eos_id] + obs_ids
             if len(r.completion_ids) + len(obs_ids) >= settings.max_completion_length:
                 r.done, r.truncated = True, True  # no room for the observation and another turn
+                r.continues = envs[i].continues_past_cut
                 bar.update(1)
                 continue
             r.completion_ids += obs_ids
@@ -442,6 +446,7 @@ def to_trl(rollouts: list[Rollout]) -> dict[str, list]:
         "env_reward": [r.env_reward for r in rollouts],
         "success": [r.success for r in rollouts],
         "truncated": [r.truncated for r in rollouts],
+        "continues": [r.continues for r in rollouts],
         "env_errors": [r.env_errors for r in rollouts],
         "final_info": [r.final_info for r in rollouts],
     }

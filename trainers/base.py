@@ -120,6 +120,7 @@ class RolloutBatch:
     sampling_logps: torch.Tensor | None  # (B, T) log-probs under the sampling policy, 0 on environment tokens
     group_ids: torch.Tensor  # (B,) global group index: rows of one task in one generation batch share it
     truncated: torch.Tensor  # (B,) bool, the episode was cut by a budget (not ended by the environment)
+    continues: torch.Tensor  # (B,) bool, truncated in an environment whose episodes go on past a cut (C4)
     task_ids: list  # (B,) task id of each row (None without an environment)
     state_keys: list  # (B, K) environment state before each turn
     transcripts: list  # (B,) per turn: action, observation, reward
@@ -404,6 +405,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             sampling_logps=out.get("sampling_per_token_logps"),
             group_ids=group_ids,
             truncated=torch.tensor([bool(row.get("truncated", False)) for row in inputs], device=device),
+            continues=torch.tensor([bool(row.get("continues", False)) for row in inputs], device=device),
             task_ids=[row.get("task_id") for row in inputs],
             state_keys=[row.get("state_keys", []) for row in inputs],
             transcripts=[row.get("transcript", []) for row in inputs],

@@ -13,8 +13,10 @@ What changes relative to GRPO (`AgentGRPOTrainer`):
    completion token t is the state before it, `values[:, :-1][:, -T:]`.
 2. **Token GAE over model tokens only** (t1.md Eq. 6-8): environment tokens are not time steps, the recursion skips
    them. Per-turn environment rewards sit on the last model token of their turn, a trajectory reward on the last
-   model token of the row (conventions.md C3). Truncated episodes bootstrap from the value of the state after the
-   last token, terminated ones use 0 (C4); `bootstrap_truncated: false` treats every episode as terminated (T1, D8).
+   model token of the row (conventions.md C3). An episode cut by a budget is a finished failure with terminal value 0,
+   like a terminated one (C4, the T1 rule, t1.md D8), unless its environment declares `continues_past_cut`: then it
+   bootstraps from the value of the state after its last token. `bootstrap_truncated: true` bootstraps every cut
+   episode (the old default, which collapsed PPO on tiny:shop), `false` none.
 3. **Old values V^old** come from a no-grad forward right after generation (before any update on the batch) and reach
    the loss as `old_values` and `returns` in `batch.extras`.
 4. **Loss** = clipped surrogate (t1.md Eq. 11) + `vf_coef` x clipped value loss (t1.md Eq. 12), both global token means
@@ -50,7 +52,7 @@ Logged metrics:
 - `actor/approx_kl`: mean of (ratio - 1) - log ratio over model tokens (k3 estimator, old vs current policy).
 - `actor/entropy`: mean token entropy of the policy.
 - `ppo/advantage_mean`, `ppo/advantage_std`: over model tokens, after optional whitening.
-- `ppo/bootstrapped_frac`: fraction of rows bootstrapping from the value (truncated and `bootstrap_truncated`).
+- `ppo/bootstrapped_frac`: fraction of rows bootstrapping from the value (cut by a budget and bootstrapped, C4).
 - `t1/tito_mismatch_tokens`: loss-bearing tokens whose id is not the id the sampler emitted (must be 0).
 """
 
@@ -110,9 +112,13 @@ class PPOConfig(AgentGRPOConfig):
     whiten_advantages: bool = field(
         default=True, metadata={"help": "Whiten advantages over the model tokens of the global batch (T1/MPO: off)."}
     )
-    bootstrap_truncated: bool = field(
-        default=True,
-        metadata={"help": "Bootstrap budget-cut episodes from the value (C4); False: all terminated (t1.md D8)."},
+    bootstrap_truncated: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Which budget-cut episodes bootstrap from the value: None (default) only those whose environment "
+            "declares `continues_past_cut` (none of the built-in ones: a cut episode is a finished failure, "
+            "conventions.md C4); True every one; False none (t1.md D8)."
+        },
     )
     critic_model_name_or_path: str | None = field(
         default=None,
@@ -275,7 +281,7 @@ class AgentPPOTrainer(AgentGRPOTrainer):
         a = self.args
         mask = self.batch_mask(batch)  # (B, T)
         values, after = self.old_values(batch)  # (B, T), (B, T)
-        truncated = batch.truncated & a.bootstrap_truncated  # (B,) C4
+        truncated = batch.continues if a.bootstrap_truncated is None else batch.truncated & a.bootstrap_truncated  # C4
         boot = self.boot_values(batch, after)  # (B,)
         adv, ret = self.estimate_advantages(batch, mask, values, truncated, boot)  # (B, T), (B, T)
         if a.whiten_advantages:
