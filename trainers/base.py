@@ -18,9 +18,16 @@ What it adds to `trl.GRPOTrainer` (TRL 1.16.0), of which it is a drop-in (TRL's 
 Private TRL methods overridden here, pinned by `tests/test_trl_parity.py`: `_generate_and_score_completions`,
 `_calculate_rewards`, `_compute_loss`, `_get_per_token_logps_and_entropies` (plus the public `training_step`).
 
-Logged metrics (besides TRL's): `env/success` (fraction of rollouts the environment judged successful),
-`env/turns` (mean assistant turns), `env/truncated` (fraction cut by a turn or token budget), `env/errors` (environment
-exceptions and timeouts per rollout). MoE policies: the `routing/*` metrics listed in `trainers/routing_replay.py`.
+Logged metrics (besides TRL's), every generation batch, over all processes:
+- `env/success`: fraction of rollouts the environment judged successful.
+- `env/turns`: mean assistant turns per episode.
+- `env/truncated`: fraction of episodes cut by a turn or token budget.
+- `env/errors`: environment exceptions and timeouts per rollout.
+- `env/tokens_per_turn`: the batch's model tokens over its assistant turns (1-2: turns end at once; near
+  `max_turn_tokens`: the end-of-turn id is no longer emitted).
+- `alarm/<kind>`: 1 on the batch where the collapse alarm of that kind fires (`collapse_alarm`, `trainers/alarm.py`:
+  `short_turns`, `capped_turns`, `truncated`, `success`), with a warning naming the numbers.
+- MoE policies: the `routing/*` metrics listed in `trainers/routing_replay.py`.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from trl.trainer.utils import get_config_model_id
 from envs.base import Env
 from rewards.verifiers import assertion_count_reward, binary_success_reward
 from trainers import agent_loop
+from trainers.alarm import CollapseAlarm
 from trainers.routing_replay import RoutingReplay
 
 logger = logging.getLogger(__name__)
@@ -86,6 +94,15 @@ class AgentGRPOConfig(GRPOConfig):
             "from the live router logits, so the router keeps its gradient). Forces router_aux_loss_coef and Mixtral "
             "router jitter to 0. A no-op for dense models; needs env_factory and HF generation (no vLLM); works with "
             "LoRA."
+        },
+    )
+    collapse_alarm: bool = field(
+        default=True,
+        metadata={
+            "help": "Warn once per kind (logger.warning, and alarm/<kind> = 1 in the metrics) when training episodes "
+            "drift towards degenerate ones: turns pinned at 1-2 tokens or at max_turn_tokens, (almost) every episode "
+            "cut by a budget, or success falling to 0 after having been above it, each for 3 generation batches in "
+            "a row (trainers/alarm.py). Needs env_factory; False turns it off."
         },
     )
 
@@ -233,6 +250,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             max_turns=self.args.max_turns,
             env_timeout=self.args.env_timeout,
         )
+        self.collapse_alarm = CollapseAlarm(self.args.max_turn_tokens) if self.args.collapse_alarm else None
         if self.routing_replay.setup(self.accelerator.unwrap_model(self.model)):  # refuses unsupported setups
             self.aux_loss_enabled = False  # router_aux_loss_coef is 0.0 (AgentGRPOConfig.__post_init__, D10)
 
@@ -417,14 +435,33 @@ class AgentGRPOTrainer(GRPOTrainer):
     def _log_env_metrics(self, batch: RolloutBatch) -> None:
         if self.env_factory is None:
             return
-        rows = gather_object(
-            [(r["success"], len(r["turn_rewards"]), r["truncated"], r["env_errors"]) for r in batch.rows]
+        rows = gather_object(  # turn_index is -1 on environment tokens: the rest are the model's
+            [
+                (
+                    r["success"],
+                    len(r["turn_rewards"]),
+                    r["truncated"],
+                    r["env_errors"],
+                    sum(k >= 0 for k in r["turn_index"]),
+                )
+                for r in batch.rows
+            ]
         )
-        n = max(1, len(rows))
-        self.log_metric("env/success", sum(r[0] for r in rows) / n)
-        self.log_metric("env/turns", sum(r[1] for r in rows) / n)
-        self.log_metric("env/truncated", sum(r[2] for r in rows) / n)
-        self.log_metric("env/errors", sum(r[3] for r in rows) / n)
+        n, turns = max(1, len(rows)), sum(r[1] for r in rows)
+        stats = {
+            "env/success": sum(r[0] for r in rows) / n,
+            "env/turns": turns / n,
+            "env/truncated": sum(r[2] for r in rows) / n,
+            "env/errors": sum(r[3] for r in rows) / n,
+            "env/tokens_per_turn": sum(r[4] for r in rows) / max(1, turns),  # all model tokens over all turns
+        }
+        for name, value in stats.items():
+            self.log_metric(name, value)
+        if self.collapse_alarm is not None and self.model.training and self.accelerator.is_main_process:
+            watched = (stats["env/tokens_per_turn"], stats["env/truncated"], stats["env/success"])
+            for alarm in self.collapse_alarm.update(*watched):
+                logger.warning("%s", alarm.message)
+                self.log_metric(f"alarm/{alarm.kind}", 1.0)
 
 
 def reward_function(args: AgentGRPOConfig) -> Callable:
