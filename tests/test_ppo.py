@@ -154,54 +154,21 @@ def reference_gae(rewards, values, mask, boot, gamma, lam):
     return out
 
 
-def test_gae_skips_environment_tokens_and_bootstraps_truncated_rows(tiny_model_folder, tiny_tokenizer, tmp_path):
-    trainer = make_trainer(
-        tiny_model_folder,
-        tiny_tokenizer,
-        tmp_path,
-        max_steps=1,
-        max_turns=2,
-        whiten_advantages=False,
-        gamma=0.9,
-        lam=0.8,
-        bootstrap_truncated=True,  # every budget-cut episode bootstraps (not the default, conventions.md C4)
-    )
-    torch.nn.init.normal_(trainer.critic.weight, std=0.5)  # non-zero values, so alignment and bootstrapping matter
-    seen = capture_batches(trainer)
-    trainer.train()
-    batch, adv, v_all = seen[0]
-    mask = batch.mask
-    assert batch.truncated.all()  # 2 of 3 words: every episode is cut by the turn budget (bootstrapped here)
-    assert ((mask == 0) & (batch.completion_mask == 1)).any()  # there are environment tokens between turns
-    T = batch.completion_ids.shape[1]
-    values, after = v_all[:, :-1][:, -T:], v_all[:, -T:]
-    old = batch.extras["old_values"]
-    torch.testing.assert_close(old, values, atol=1e-5, rtol=1e-5)
-    r_tok = place_turn_rewards(trainer.turn_reward_matrix(batch), batch.turn_index, mask)  # (B, T)
-    for b in range(mask.shape[0]):
-        last = int(batch.completion_mask[b].nonzero().max())
-        assert r_tok[b, int(mask[b].nonzero().max())] == pytest.approx(float(batch.rewards[b]))  # last model token
-        ref = reference_gae(r_tok[b].tolist(), old[b].tolist(), mask[b].tolist(), float(after[b, last]), 0.9, 0.8)
-        torch.testing.assert_close(adv[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-5, rtol=1e-5)
-    boot = trainer.boot_values(batch, after)
-    expected, ret = token_gae(r_tok, old, mask, batch.truncated, 0.9, 0.8, boot)
-    torch.testing.assert_close(adv, expected)
-    torch.testing.assert_close(batch.extras["returns"], ret)
-    assert (adv[mask == 0] == 0).all()  # no advantage on environment tokens or padding
-
-
 class OpenEndedEchoEnv(EchoEnv):
     """EchoEnv whose episodes would go on past a budget cut: critic trainers bootstrap them (conventions.md C4)."""
 
     continues_past_cut = True
 
 
-@pytest.mark.parametrize("env_cls, setting", [(EchoEnv, None), (OpenEndedEchoEnv, None), (OpenEndedEchoEnv, False)])
-def test_budget_cut_episodes_bootstrap_only_where_the_environment_continues(
+@pytest.mark.parametrize(
+    "env_cls, setting", [(EchoEnv, None), (EchoEnv, True), (OpenEndedEchoEnv, None), (OpenEndedEchoEnv, False)]
+)
+def test_gae_skips_environment_tokens_and_bootstraps_only_continuing_cut_episodes(
     env_cls, setting, tiny_model_folder, tiny_tokenizer, tmp_path
 ):
-    """C4: by default a cut episode is a failure with terminal value 0; only an environment that declares
-    `continues_past_cut` bootstraps, and `bootstrap_truncated: false` overrides that declaration."""
+    """Token GAE over model tokens against a plain-Python reference. C4: by default a cut episode is a failure with
+    terminal value 0; only an environment that declares `continues_past_cut` bootstraps from the value after the
+    last token; `bootstrap_truncated` true / false overrides that."""
     trainer = make_trainer(
         tiny_model_folder,
         tiny_tokenizer,
@@ -214,23 +181,32 @@ def test_budget_cut_episodes_bootstrap_only_where_the_environment_continues(
     )
     trainer.args.bootstrap_truncated = setting  # before any batch: the hooks read it per batch
     trainer.env_factory = lambda row: env_cls()
-    torch.nn.init.normal_(trainer.critic.weight, std=0.5)  # non-zero values: a bootstrap would change the advantages
+    torch.nn.init.normal_(trainer.critic.weight, std=0.5)  # non-zero values, so alignment and bootstrapping matter
     seen = capture_batches(trainer)
     trainer.train()
     batch, adv, v_all = seen[0]
     mask = batch.mask
-    assert batch.truncated.all()  # max_turns 2 of 3 words: every episode is cut
-    bootstraps = env_cls.continues_past_cut and setting is not False
+    assert batch.truncated.all()  # max_turns 2 of 3 words: every episode is cut by the turn budget
+    assert ((mask == 0) & (batch.completion_mask == 1)).any()  # there are environment tokens between turns
+    bootstraps = setting is True or (setting is None and env_cls.continues_past_cut)
     assert batch.continues.tolist() == [env_cls.continues_past_cut] * len(batch.continues)
     assert logged(trainer, "ppo/bootstrapped_frac") == [1.0 if bootstraps else 0.0]
     T = batch.completion_ids.shape[1]
-    old, after = batch.extras["old_values"], v_all[:, -T:]
+    values, after = v_all[:, :-1][:, -T:], v_all[:, -T:]
+    old = batch.extras["old_values"]
+    torch.testing.assert_close(old, values, atol=1e-5, rtol=1e-5)
     r_tok = place_turn_rewards(trainer.turn_reward_matrix(batch), batch.turn_index, mask)  # (B, T)
     for b in range(mask.shape[0]):
         last = int(batch.completion_mask[b].nonzero().max())
+        assert r_tok[b, int(mask[b].nonzero().max())] == pytest.approx(float(batch.rewards[b]))  # last model token
         boot = float(after[b, last]) if bootstraps else 0.0  # the value after the last token, or a terminal 0
         ref = reference_gae(r_tok[b].tolist(), old[b].tolist(), mask[b].tolist(), boot, 0.9, 0.8)
         torch.testing.assert_close(adv[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    rows = batch.truncated & bootstraps
+    expected, ret = token_gae(r_tok, old, mask, rows, 0.9, 0.8, trainer.boot_values(batch, after))
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(batch.extras["returns"], ret)
+    assert (adv[mask == 0] == 0).all()  # no advantage on environment tokens or padding
 
 
 def test_critic_warmup_keeps_actor_bit_identical(tiny_model_folder, tiny_tokenizer, tmp_path):
