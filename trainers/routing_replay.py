@@ -709,28 +709,12 @@ class RoutingReplay:
         if routing is None:
             if self._replay_held and self._unwrap(model) is self._unwrap(self.trainer.model):
                 self._end_replay_before_free_forward()  # the same routers: a held replay must not apply here
-            logps, entropies, aux_loss = forward(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **multimodal,
-            )
+            args = (input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
+            logps, entropies, aux_loss = forward(model, *args, **multimodal)
         else:
+            settings = (logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
             logps, entropies, aux_loss = self._replayed_logps(
-                forward,
-                model,
-                routing,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                multimodal,
+                forward, model, routing, input_ids, attention_mask, *settings, multimodal
             )
         if self._gap_inputs is not None and torch.is_grad_enabled() and self._is_policy(model):
             self._add_gap(logps.detach(), self._gap_inputs)  # on-policy Eq. 10 (D14)
