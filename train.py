@@ -147,7 +147,18 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def close_process_group() -> None:
+    """Tear down torch.distributed after a multi-process run; a no-op in one process.
+
+    Every rank waits at a barrier first, so no rank closes its gloo connections while a peer is still using them, and
+    the group is destroyed before interpreter shutdown: either race can abort a rank (SIGABRT, "terminate called
+    without an active exception") after its work is done.
+    """
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # without this gloo's threads can abort the process at exit (SIGABRT)
-        torch.distributed.destroy_process_group()
+    close_process_group()

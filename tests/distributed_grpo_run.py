@@ -102,6 +102,9 @@ def main(folder: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    from train import close_process_group
+
     main(sys.argv[1], sys.argv[2])
-    if torch.distributed.is_initialized():  # without this gloo's threads can abort the process at exit (SIGABRT)
-        torch.distributed.destroy_process_group()
+    close_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the results are written: skip interpreter shutdown, where C++ thread teardown can still abort

@@ -128,8 +128,9 @@ def main(folder: str, out: str, workdir: str, critic: str | None = None) -> None
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
-    import torch
+    from train import close_process_group
 
-    if torch.distributed.is_initialized():  # without this gloo's threads can abort the process at exit (SIGABRT)
-        torch.distributed.destroy_process_group()
+    main(*sys.argv[1:5])
+    close_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the results are written: skip interpreter shutdown, where C++ thread teardown can still abort
