@@ -485,8 +485,9 @@ def test_trainer_smoke_random_model_and_config_errors(tiny_model_folder, tiny_to
     assert math.isfinite(log["loss"]) and log.get("draco/judge_calls/credit", 0) == 0
     assert all((b.advantages == 0).all() for b, _, _ in trainer.seen)
     check_batches(trainer)
+    assert config(tmp_path, loss_type="grpo").loss_type == "grpo"  # conventions.md C22
     with pytest.raises(ValueError, match="loss_type"):
-        config(tmp_path, loss_type="grpo")
+        config(tmp_path, loss_type="dr_grpo")
     with pytest.raises(ValueError, match="judge_backend"):
         config(tmp_path, judge_backend="gpt")
     with pytest.raises(ValueError, match="judge_model"):

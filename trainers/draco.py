@@ -12,8 +12,9 @@ Changes relative to GRPO:
 3. The judge is built from config fields: `oracle` (ground truth of the built-in environments, no LLM), `openai` (any
    OpenAI-compatible endpoint through `rewards.judge.Judge`), or `self` (the policy, §4.5: k = 3 unanimity votes).
 
-Unchanged: TRL's group normalisation (Eq. 3), clipped surrogate, KL term and token-mean aggregation (`loss_type` must
-be `dapo` or `bnpo`, credit-interface §2.4). Only `compute_advantages` is overridden. Left out: per-phase judge
+Unchanged: TRL's group normalisation (Eq. 3), clipped surrogate, KL term and loss aggregation (`loss_type` `grpo`,
+`dapo` or `bnpo`: the redistribution keeps each row's token sum, so each aggregation keeps its meaning, conventions.md
+C22). Only `compute_advantages` is overridden. Left out: per-phase judge
 endpoints and the input-budget shortening of §4.6; with several processes the reward stage runs on the main process
 (D14) but each process makes the credit calls of its own rows (each call is still made once).
 
@@ -53,6 +54,7 @@ from trainers.credit import (
 )
 
 BACKENDS = ("oracle", "openai", "self")
+LOSS_TYPES = ("grpo", "dapo", "bnpo")  # per-row mean, or one token mean (credit-interface.md §2.4)
 
 
 @dataclass
@@ -90,8 +92,8 @@ class DRACOConfig(AgentGRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.loss_type not in ("dapo", "bnpo"):
-            raise ValueError(f"loss_type must be 'dapo' or 'bnpo' (token-mean aggregation), got {self.loss_type!r}")
+        if self.loss_type not in LOSS_TYPES:  # conventions.md C22: a row's token sum N_b·A_b is kept under each
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES} (conventions.md C22), got {self.loss_type!r}")
         if self.judge_backend not in BACKENDS:
             raise ValueError(f"judge_backend must be one of {BACKENDS}, got {self.judge_backend!r}")
         if self.judge_backend == "openai" and not self.judge_model:
