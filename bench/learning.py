@@ -1,19 +1,41 @@
-"""Learning curves: run configs over seeds, then write a markdown table and a PNG of the curves.
+"""Learning curves and the methods table: run configs over seeds, then write one table of every config, its curves
+and result.json.
 
     python bench/learning.py --configs configs/quickstart.yaml --seeds 0 1 2 --out bench/results/quickstart
     python bench/learning.py --configs configs/t1_terminal.yaml configs/t1_terminal.yaml@reward=binary \
         configs/t1_terminal.yaml@critic_warmup_steps=0 --seeds 0 1 2 --metrics critic/explained_variance \
         --out bench/results/t1_terminal
+    python bench/learning.py --configs configs/quickstart.yaml configs/t1_shop.yaml configs/grpo_terminal.yaml \
+        configs/t1_terminal.yaml --out bench/results/methods --reuse bench/results/quickstart
 
 A config may carry its own overrides after `@` (FIELD=VALUE, comma-separated): it is then a variant, named and
 tabulated as written (`t1_terminal@reward=binary`).
 
 Each (config, seed) runs `train.py` in its own process (so runs never share state) with `--seed S --output_dir
 OUT/<config>-s<S>` plus the `--set` overrides, and reads the run's summary.json. A finished run is not run again,
-so an interrupted benchmark resumes. The table reports, per config, the mean and spread (min to max) over seeds of:
-held-out success sampled at the config's temperature before and after RL, its gain, greedy success after RL, training
-success at a fixed number of rollouts, the rollouts needed to first reach `--threshold` training success, and wall
-time, plus any logged `--metrics` (e.g. critic/explained_variance), averaged over the last quarter of each run's logs.
+so an interrupted benchmark resumes. With `--reuse DIR ...`, a (config, seed) missing in OUT is read from the first DIR
+that holds `<config>-s<S>/summary.json` instead (read in place, not copied; the table marks the row reused and names
+the folder). A reused run must record the config's trainer, environment and difficulty; `--set` is not checked.
+
+The table has one row per config, grouped by the environment and difficulty its runs' summary.json records; within an
+environment GRPO comes first, then PPO, T1, MPO, DRACO, then any other trainer, each in the order given. A row's method
+is its trainer, except that PPO with a separate critic (`critic_model_name_or_path` set, t1.md D2) is T1. Columns:
+- loss aggregation: the config's `loss_type` (TRL's default `dapo` when unset) for the trainers that read it; PPO and
+  MPO take one token mean over the optimizer step whatever `loss_type` says (conventions.md C22);
+- the mean and spread (min to max) over seeds of: held-out success sampled at the config's temperature before and
+  after RL, its gain, greedy success after RL, training success at a fixed number of rollouts, the rollouts needed to
+  first reach `--threshold` training success, wall time, and any logged `--metrics` (e.g. critic/explained_variance)
+  averaged over the last quarter of each run's logs;
+- collapse: every seed whose held-out sampled success after RL is below its own before RL;
+- step time vs GRPO: training seconds per rollout, i.e. `train_runtime` (the time of `trainer.train()`: generation,
+  rewards, advantages, losses, optimizer steps; not the model build or the held-out evaluations before and after RL,
+  which `wall_seconds` includes) over the rollouts trained on (last step x `rollouts_per_step`), mean over seeds,
+  divided by that of the first GRPO row of the same environment; n/a without one. Runs that shared the machine with
+  other runs time that sharing too.
+
+Writes OUT/table.md, OUT/result.json and OUT/result.md (bench/record.py; every per-seed number), OUT/curves.png (one
+panel per environment) and OUT/curves_<environment>_d<difficulty>.png (training success against rollouts: mean over
+seeds, min-max band, one line per config).
 """
 
 from __future__ import annotations
@@ -25,9 +47,36 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from anywhere: the repository's packages
+from bench.record import write_result  # noqa: E402
+
+METHODS = ("grpo", "ppo", "t1", "mpo", "draco")  # row order within an environment; other trainers follow
+TOKEN_MEAN_TRAINERS = ("ppo", "mpo")  # conventions.md C22: one token mean over the optimizer step, loss_type unread
+TRL_LOSS_TYPE = "dapo"  # GRPOConfig.loss_type's default in TRL 1.16
+LOSS_TYPES = {"grpo": "episode mean", "dapo": "token mean", "bnpo": "token mean"}
+
+
+@dataclass
+class Run:
+    seed: int
+    summary: dict  # the run's summary.json
+    reused_from: Path | None = None  # the --reuse folder it was read from; None: a run of OUT
+
+
+@dataclass
+class Row:
+    name: str  # the config as written: 'x' or 'x@a=1'
+    method: str
+    environment: str
+    difficulty: int
+    aggregation: str
+    runs: list[Run]
 
 
 def variant(spec: str) -> tuple[str, str, list[str]]:
@@ -40,28 +89,72 @@ def variant(spec: str) -> tuple[str, str, list[str]]:
     return Path(path).stem + (f"@{extra}" if extra else ""), path, overrides
 
 
-def run(spec: str, seed: int, out: Path, overrides: list[str]) -> dict:
+def settings(config: str, overrides: list[str]) -> dict:
+    """The config's YAML fields with the overrides applied in order, as train.py sees them (override values: str)."""
+    fields = yaml.safe_load((ROOT / config).read_text()) or {}
+    return fields | dict(item.partition("=")[::2] for item in overrides)
+
+
+def method(trainer: str, fields: dict) -> str:
+    """The row's method: its trainer, except that PPO with a separate critic is T1 (t1.md D2)."""
+    return "t1" if trainer == "ppo" and fields.get("critic_model_name_or_path") is not None else trainer
+
+
+def aggregation(trainer: str, fields: dict) -> str:
+    """How the trainer aggregates the policy loss over tokens and episodes (conventions.md C22)."""
+    if trainer in TOKEN_MEAN_TRAINERS:
+        return "token mean (fixed)"
+    loss_type = str(fields.get("loss_type", TRL_LOSS_TYPE))
+    return f"{loss_type} ({LOSS_TYPES[loss_type]})" if loss_type in LOSS_TYPES else loss_type
+
+
+def load(spec: str, seed: int, out: Path, overrides: list[str], reuse: list[Path] | None = None) -> Run:
+    """The (config, seed) run's summary: from OUT, else from the first --reuse folder holding it, else run now."""
     name, config, own = variant(spec)
-    overrides = overrides + own
     folder = out / f"{name}-s{seed}"
     summary = folder / "summary.json"
     if not summary.exists():
-        cmd = [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "--config",
-            config,
-            "--seed",
-            str(seed),
-            "--output_dir",
-            str(folder),
-        ]
-        for item in overrides:
+        stored = next((d / folder.name for d in reuse or [] if (d / folder.name / "summary.json").exists()), None)
+        if stored is not None:
+            return reused(stored, seed, settings(config, overrides + own))
+        cmd = [sys.executable, str(ROOT / "train.py"), "--config", config, "--seed", str(seed)]
+        cmd += ["--output_dir", str(folder)]
+        for item in overrides + own:
             key, _, value = item.partition("=")
             cmd += [f"--{key}", value]
         print("$", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return json.loads(summary.read_text())
+    return Run(seed, json.loads(summary.read_text()))
+
+
+def reused(folder: Path, seed: int, fields: dict) -> Run:
+    """A run read from another results folder; it must record the config's trainer, environment and difficulty."""
+    summary = json.loads((folder / "summary.json").read_text())
+    recorded = {"trainer": summary["trainer"], **summary["run"]}
+    keys = [k for k in ("trainer", "environment", "difficulty") if k in fields]
+    wrong = {k: recorded[k] for k in keys if str(fields[k]) != str(recorded[k])}
+    if wrong:
+        raise SystemExit(f"--reuse {folder}: the run has {wrong}, its config says { {k: fields[k] for k in wrong} }")
+    return Run(seed, summary, folder.parent)
+
+
+def make_row(spec: str, seeds: list[int], out: Path, overrides: list[str], reuse: list[Path] | None = None) -> Row:
+    """A config's row: its runs, and the environment, difficulty and trainer its first run's summary.json records."""
+    name, config, own = variant(spec)
+    runs = [load(spec, seed, out, overrides, reuse) for seed in seeds]
+    fields = settings(config, overrides + own)
+    trainer, run = runs[0].summary["trainer"], runs[0].summary["run"]
+    kind = method(trainer, fields), run["environment"], run["difficulty"], aggregation(trainer, fields)
+    return Row(name, *kind, runs)
+
+
+def grouped(rows: list[Row]) -> dict[tuple[str, int], list[Row]]:
+    """Rows by (environment, difficulty), in order of first appearance; within one, in METHODS' order, GRPO first."""
+    groups: dict[tuple[str, int], list[Row]] = {}
+    for row in rows:
+        groups.setdefault((row.environment, row.difficulty), []).append(row)
+    rank = {m: i for i, m in enumerate(METHODS)}
+    return {key: sorted(group, key=lambda r: rank.get(r.method, len(METHODS))) for key, group in groups.items()}
 
 
 def curve(summary: dict) -> list[tuple[float, float]]:
@@ -70,11 +163,39 @@ def curve(summary: dict) -> list[tuple[float, float]]:
     return [(row["step"] * per_step, row["env/success"]) for row in summary["log_history"] if "env/success" in row]
 
 
-def spread(values: list[float]) -> str:
+def held_out(summary: dict, when: str, mode: str = "sampled") -> float | None:
+    """Held-out success `when` ('before' or 'after' RL), decoded `mode`; None if the run skipped that evaluation."""
+    return summary[when][mode]["success"] if when in summary else None
+
+
+def seconds_per_rollout(summary: dict) -> float | None:
+    """`train_runtime` over the rollouts trained on (last step x rollouts_per_step); None if not recorded."""
+    end = next((row for row in summary["log_history"] if "train_runtime" in row), None)
+    return end["train_runtime"] / (end["step"] * summary["rollouts_per_step"]) if end and end["step"] else None
+
+
+def mean_seconds(row: Row) -> float | None:
+    values = [v for v in (seconds_per_rollout(r.summary) for r in row.runs) if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def reference(group: list[Row]) -> tuple[Row | None, float | None]:
+    """An environment's first GRPO row and its mean seconds per rollout, the step-time reference (None: no GRPO)."""
+    grpo = next((row for row in group if row.method == "grpo"), None)
+    return grpo, mean_seconds(grpo) if grpo else None
+
+
+def collapses(row: Row) -> list[tuple[int, float, float]]:
+    """(seed, before, after) for every seed whose held-out sampled success after RL is below its own before RL."""
+    pairs = [(r.seed, held_out(r.summary, "before"), held_out(r.summary, "after")) for r in row.runs]
+    return [(seed, b, a) for seed, b, a in pairs if b is not None and a is not None and a < b]
+
+
+def spread(values: list[float | None], digits: int = 3) -> str:
     values = [v for v in values if v is not None and not math.isnan(v)]
     if not values:
         return "n/a"
-    return f"{statistics.mean(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+    return f"{statistics.mean(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
 
 
 def rollouts_to(points: list[tuple[float, float]], threshold: float) -> float | None:
@@ -94,52 +215,118 @@ def late_mean(summary: dict, metric: str) -> float | None:
     return statistics.mean(values) if values else None
 
 
-def table(results: dict[str, list[dict]], threshold: float, at_rollouts: float, metrics: list[str] = ()) -> str:
-    lines = [
-        "| config | seeds | sampled before | sampled after | gain | greedy after | "
-        f"train success @ {at_rollouts:g} rollouts | rollouts to {threshold:g} | wall s |"
-        + "".join(f" {m} (last quarter) |" for m in metrics),
-        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(metrics),
-    ]
-    for name, runs in results.items():
-        before = [r["before"]["sampled"]["success"] for r in runs if "before" in r]
-        after = [r["after"]["sampled"]["success"] for r in runs if "after" in r]
-        greedy = [r["after"]["greedy"]["success"] for r in runs if "after" in r]
-        gains = [a - b for a, b in zip(after, before, strict=False)]
-        reach = [rollouts_to(curve(r), threshold) for r in runs]
-        reached = [x for x in reach if x is not None]
-        reach_text = f"{spread(reached)} ({len(reached)}/{len(runs)} reached)" if reached else f"0/{len(runs)} reached"
-        lines.append(
-            f"| {name} | {len(runs)} | {spread(before)} | {spread(after)} | {spread(gains)} | {spread(greedy)} | "
-            f"{spread([success_at(curve(r), at_rollouts) for r in runs])} | {reach_text} | "
-            f"{spread([r['wall_seconds'] for r in runs])} |"
-            + "".join(f" {spread([late_mean(r, m) for r in runs])} |" for m in metrics)
-        )
-    return "\n".join(lines)
+def label(row: Row) -> str:
+    """The config as written, marked when some or all of its seeds were read from a --reuse folder."""
+    reused = [f"s{r.seed}" for r in row.runs if r.reused_from is not None]
+    if not reused:
+        return row.name
+    return f"{row.name} (reused)" if len(reused) == len(row.runs) else f"{row.name} (reused: {', '.join(reused)})"
 
 
-def plot(results: dict[str, list[dict]], path: Path) -> None:
+def cells(row: Row, base: float | None, threshold: float, at_rollouts: float, metrics: list[str]) -> list[str]:
+    """One table row; `base` is the environment's GRPO seconds per rollout (None: no GRPO row)."""
+    summaries = [r.summary for r in row.runs]
+    before, after = [held_out(s, "before") for s in summaries], [held_out(s, "after") for s in summaries]
+    gains = [a - b for a, b in zip(after, before, strict=True) if a is not None and b is not None]
+    reach = [x for x in (rollouts_to(curve(s), threshold) for s in summaries) if x is not None]
+    n = len(row.runs)
+    reach_text = f"{spread(reach, 0)} ({len(reach)}/{n} reached)" if reach else f"0/{n} reached"
+    collapse = "; ".join(f"s{seed}: {b:.3f} → {a:.3f}" for seed, b, a in collapses(row))
+    seconds = mean_seconds(row)
+    ratio = "n/a" if seconds is None or base is None else f"{seconds / base:.2f}x"
+    return [
+        f"{row.environment} ({row.difficulty})", row.method, label(row), row.aggregation, str(n),
+        spread(before), spread(after), spread(gains), collapse or ("none" if gains else "n/a"),
+        spread([held_out(s, "after", "greedy") for s in summaries]),
+        spread([success_at(curve(s), at_rollouts) for s in summaries]), reach_text,
+        ratio if seconds is None else f"{ratio} ({1000 * seconds:.1f} ms)",
+        spread([s["wall_seconds"] for s in summaries], 1),
+        *(spread([late_mean(s, m) for s in summaries]) for m in metrics),
+    ]  # fmt: skip
+
+
+def table(rows: list[Row], threshold: float, at_rollouts: float, metrics: list[str] = ()) -> str:
+    head = [
+        "environment (difficulty)", "method", "config", "loss aggregation", "seeds", "sampled before", "sampled after",
+        "gain", "collapse (after < before)", "greedy after", f"train success @ {at_rollouts:g} rollouts",
+        f"rollouts to {threshold:g}", "step time vs GRPO (train ms/rollout)", "wall s",
+        *(f"{m} (last quarter)" for m in metrics),
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes = []
+    for (environment, difficulty), group in grouped(rows).items():
+        grpo, base = reference(group)
+        lines += ["| " + " | ".join(cells(row, base, threshold, at_rollouts, metrics)) + " |" for row in group]
+        models = ", ".join(sorted({r.summary["model"] for row in group for r in row.runs}))
+        relative = f"step time relative to {grpo.name}" if base else "no GRPO row with train_runtime: step time n/a"
+        notes.append(f"- {environment} (difficulty {difficulty}), {models}: {relative}.")
+    reused: dict[Path, list[str]] = {}  # --reuse folder -> 'config s0, s1' read from it, in table order
+    for row in (row for group in grouped(rows).values() for row in group):
+        for folder in dict.fromkeys(r.reused_from for r in row.runs if r.reused_from is not None):
+            seeds = ", ".join(f"s{r.seed}" for r in row.runs if r.reused_from == folder)
+            reused.setdefault(folder, []).append(f"{row.name} {seeds}")
+    notes += [f"- reused, read from {folder} (not run again): {'; '.join(runs)}." for folder, runs in reused.items()]
+    notes.append(
+        "- step time: train_runtime / rollouts trained on (held-out evaluation and model build excluded), mean over "
+        "seeds. collapse: seeds whose held-out sampled success after RL is below their own before RL."
+    )
+    return "\n".join([*lines, "", *notes])
+
+
+def measured(rows: list[Row], threshold: float, at_rollouts: float) -> dict:
+    """Every per-seed number behind the table, for result.json."""
+    out = []
+    for group in grouped(rows).values():
+        grpo, base = reference(group)
+        for row in group:
+            seconds = mean_seconds(row)
+            seeds = [
+                {"seed": r.seed, "reused_from": str(r.reused_from) if r.reused_from else None, "model": s["model"],
+                 "sampled_before": held_out(s, "before"), "sampled_after": held_out(s, "after"),
+                 "greedy_after": held_out(s, "after", "greedy"), "seconds_per_rollout": seconds_per_rollout(s),
+                 "wall_seconds": s["wall_seconds"], "success_at_rollouts": success_at(curve(s), at_rollouts),
+                 "rollouts_to_threshold": rollouts_to(curve(s), threshold)}
+                for r in row.runs for s in [r.summary]
+            ]  # fmt: skip
+            out.append(
+                {"environment": row.environment, "difficulty": row.difficulty, "method": row.method,
+                 "config": row.name, "aggregation": row.aggregation, "grpo_reference": grpo.name if grpo else None,
+                 "seconds_per_rollout": seconds, "step_time_vs_grpo": seconds / base if seconds and base else None,
+                 "collapsed_seeds": [seed for seed, _, _ in collapses(row)], "seeds": seeds}
+            )  # fmt: skip
+    return {"threshold": threshold, "at_rollouts": at_rollouts, "rows": out}
+
+
+def plot(groups: dict[tuple[str, int], list[Row]], path: Path) -> None:
+    """One panel per environment: mean training success over seeds with a min-max band, one line per config."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, runs in results.items():
-        curves = [curve(r) for r in runs]
-        n = min(len(c) for c in curves)
-        if n == 0:
-            continue
-        xs = [p[0] for p in curves[0][:n]]
-        ys = [[c[i][1] for c in curves] for i in range(n)]
-        mean = [statistics.mean(y) for y in ys]
-        (line,) = ax.plot(xs, mean, label=f"{name} (mean of {len(runs)})")
-        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
-    ax.set_xlabel("rollouts")
-    ax.set_ylabel("training success (sampled)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4), squeeze=False)
+    colors = {m: f"C{i}" for i, m in enumerate(METHODS)}  # one colour per method in every panel
+    for ax, ((environment, difficulty), rows) in zip(axes[0], groups.items(), strict=True):
+        styles: dict[str, int] = {}  # configs of one method differ by line style
+        for row in rows:
+            curves = [curve(r.summary) for r in row.runs]
+            n = min(len(c) for c in curves)
+            if n == 0:
+                continue
+            xs = [p[0] for p in curves[0][:n]]
+            ys = [[c[i][1] for c in curves] for i in range(n)]
+            color = colors.setdefault(row.method, f"C{len(colors)}")
+            style = ("-", "--", ":", "-.")[styles.setdefault(row.method, 0) % 4]
+            styles[row.method] += 1
+            label = f"{row.method}: {row.name} (mean of {len(row.runs)})"
+            ax.plot(xs, [statistics.mean(y) for y in ys], color=color, linestyle=style, label=label)
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=color, alpha=0.12)
+        ax.set_title(f"{environment} (difficulty {difficulty})", fontsize=10)
+        ax.set_xlabel("rollouts")
+        ax.set_ylabel("training success (sampled)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -154,15 +341,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--at_rollouts", type=float, default=None, help="budget for 'success at N rollouts'")
     parser.add_argument("--metrics", nargs="*", default=[], help="logged metrics to tabulate (last-quarter mean)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--reuse", nargs="*", type=Path, default=[], metavar="DIR", help="results folders to read missing runs from"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {variant(c)[0]: [run(c, s, args.out, args.set) for s in args.seeds] for c in args.configs}
-    at = args.at_rollouts or min(curve(r)[-1][0] for runs in results.values() for r in runs if curve(r))
-    text = table(results, args.threshold, at, args.metrics)
+    rows = [make_row(c, args.seeds, args.out, args.set, args.reuse) for c in args.configs]
+    at = args.at_rollouts or min(curve(r.summary)[-1][0] for row in rows for r in row.runs if curve(r.summary))
+    text = table(rows, args.threshold, at, args.metrics)
     (args.out / "table.md").write_text(text + "\n")
-    plot(results, args.out / "curves.png")
+    groups = grouped(rows)
+    plot(groups, args.out / "curves.png")
+    for (environment, difficulty), group in groups.items():
+        plot({(environment, difficulty): group}, args.out / f"curves_{environment}_d{difficulty}.png")
+    options = json.loads(json.dumps(vars(args), default=str))  # paths as text
+    write_result(args.out, "learning", options, measured(rows, args.threshold, at), text)
     print(text)
-    print(f"\nwrote {args.out / 'table.md'} and {args.out / 'curves.png'}")
+    print(f"\nwrote table.md, result.json, result.md and curves*.png in {args.out}")
 
 
 if __name__ == "__main__":

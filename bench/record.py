@@ -82,7 +82,7 @@ def write_result(out: Path, bench: str, settings: dict, measured: dict, table: s
 
     Args:
         out (`Path`): the result folder, created if missing.
-        bench (`str`): the bench's name (`rollout`, `routing_gap`, `overhead`, `draco_cost`).
+        bench (`str`): the bench's name (`rollout`, `routing_gap`, `overhead`, `draco_cost`, `learning`).
         settings (`dict`): the run's settings (its parsed arguments), JSON-serialisable.
         measured (`dict`): every measured number, JSON-serialisable (a `TypeError` is raised before any file is
             touched if it is not).
