@@ -293,6 +293,25 @@ def test_draco_step_weights_quality_and_mean_fill():
     assert w.tolist() == [[0.5, 0.0, 0.25, 0.0]]
 
 
+def test_draco_strict_step_quality_d18():
+    # the shop's premature buy: step 1 search (PASS: search), step 2 click (PASS: type), step 3 buy (PASS: type, price;
+    # FAIL: size), step 4 absent. Eq. 4: Q = [1, 1, 2/3]; strict (D18): Q = [1, 1, 0]
+    verdicts = torch.tensor([[1, 1, 1, -1]])  # search, type, price, size
+    z = draco_citations([[[1], [2, 3], [3], [3]]], 4)
+    valid = torch.tensor([[True, True, True, False]])
+    w, _ = draco_step_weights(verdicts, z, torch.tensor([0.5]), valid)
+    assert w[0].tolist() == pytest.approx([1.0, 1.0, 2 / 3, 0.0])
+    w, cited = draco_step_weights(verdicts, z, torch.tensor([0.5]), valid, strict=True)
+    assert w.tolist() == [[1.0, 1.0, 0.0, 0.0]] and cited.tolist() == [True]
+    w, _ = draco_step_weights(verdicts, z, torch.tensor([-0.5]), valid, strict=True)  # loser: 1 - Q, all on the buy
+    assert w.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    # winner A = 0.5 over steps of 1, 2 and 3 tokens (N = 6): the buy gets nothing, steps 1-2 share A·N = 3 by w / n
+    ti = torch.tensor([[0, 1, 1, 2, 2, 2]])
+    out = draco_advantages(torch.tensor([0.5]), ti, valid, verdicts, z, strict=True).advantages
+    # Eq. 7: a_j = A·N·w_j / (n_j·Σw) = 0.5·6·1 / (n_j·2): step 1 (n = 1) 1.5, step 2 (n = 2) 0.75, step 3 0
+    assert out[0].tolist() == pytest.approx([1.5, 0.75, 0.75, 0.0, 0.0, 0.0])
+
+
 def test_draco_citations_c9():
     z = draco_citations([[[2, 2, 0, 4, -1], []], [[1]]], num_turns=3)  # duplicates once, 0 / 4 / -1 dropped
     assert z.shape == (2, 2, 3)

@@ -488,6 +488,8 @@ def test_trainer_smoke_random_model_and_config_errors(tiny_model_folder, tiny_to
     assert config(tmp_path, loss_type="grpo").loss_type == "grpo"  # conventions.md C22
     with pytest.raises(ValueError, match="loss_type"):
         config(tmp_path, loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="draco_step_quality"):
+        config(tmp_path, draco_step_quality="hard")
     with pytest.raises(ValueError, match="judge_backend"):
         config(tmp_path, judge_backend="gpt")
     with pytest.raises(ValueError, match="judge_model"):

@@ -54,6 +54,7 @@ from trainers.credit import (
 )
 
 BACKENDS = ("oracle", "openai", "self")
+STEP_QUALITIES = ("ratio", "strict")  # draco.md Eq. 4, D18
 LOSS_TYPES = ("grpo", "dapo", "bnpo")  # per-row mean, or one token mean (credit-interface.md §2.4)
 
 
@@ -89,11 +90,20 @@ class DRACOConfig(AgentGRPOConfig):
     draco_credit: bool = field(
         default=True, metadata={"help": "False: the 'dynamic rubric, no credit' ablation (uniform A per token)."}
     )
+    draco_step_quality: str = field(
+        default="ratio",
+        metadata={
+            "help": "Q_j of a cited step: `ratio` P/(P+F) (draco.md Eq. 4), or `strict`: 0 if any FAIL cites it, else "
+            "1 (draco.md D18, project option)."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
         if self.loss_type not in LOSS_TYPES:  # conventions.md C22: a row's token sum N_b·A_b is kept under each
             raise ValueError(f"loss_type must be one of {LOSS_TYPES} (conventions.md C22), got {self.loss_type!r}")
+        if self.draco_step_quality not in STEP_QUALITIES:
+            raise ValueError(f"draco_step_quality must be one of {STEP_QUALITIES}, got {self.draco_step_quality!r}")
         if self.judge_backend not in BACKENDS:
             raise ValueError(f"judge_backend must be one of {BACKENDS}, got {self.judge_backend!r}")
         if self.judge_backend == "openai" and not self.judge_model:
@@ -130,10 +140,13 @@ def draco_citations(cited_steps: list[list[list[int]]], num_turns: int, num_crit
 
 
 @torch.no_grad()
-def draco_step_weights(verdicts: Tensor, citations: Tensor, adv: Tensor, turn_valid: Tensor) -> tuple[Tensor, Tensor]:
+def draco_step_weights(
+    verdicts: Tensor, citations: Tensor, adv: Tensor, turn_valid: Tensor, strict: bool = False
+) -> tuple[Tensor, Tensor]:
     """DRACO's step weights from credit-stage verdicts and citations, draco.md Eq. 4-6.
 
-    P_j / F_j = number of PASS / FAIL verdicts citing step j (Eq. 4); Q_j = P_j / (P_j + F_j) on cited steps; an
+    P_j / F_j = number of PASS / FAIL verdicts citing step j (Eq. 4); Q_j = P_j / (P_j + F_j) on cited steps (with
+    `strict`, draco.md D18: Q_j = 1 if F_j = 0 else 0, so a step any failed criterion cites is never reinforced); an
     uncited step takes the mean Q of the row's cited steps (Eq. 5); w_j = Q_j for a winner (A ≥ 0) and 1 − Q_j for a
     loser (A < 0) (Eq. 6). NOT_APPLICABLE verdicts (0) are ignored. Verdicts of dropped criteria must not be passed
     (pad them with 0).
@@ -143,6 +156,7 @@ def draco_step_weights(verdicts: Tensor, citations: Tensor, adv: Tensor, turn_va
         citations (`Tensor`): (B, C, K) bool Z (see `draco_citations`).
         adv (`Tensor`): (B,) A.
         turn_valid (`Tensor`): (B, K) bool.
+        strict (`bool`): D18's all-or-nothing step quality instead of Eq. 4's pass ratio.
 
     Returns:
         `tuple[Tensor, Tensor]`: w (B, K) float64 in [0, 1], 0 off the row's turns; `cited` (B,) bool, false where no
@@ -158,7 +172,8 @@ def draco_step_weights(verdicts: Tensor, citations: Tensor, adv: Tensor, turn_va
     P = ((verdicts == 1).unsqueeze(2) & z).sum(dim=1).to(torch.float64)  # (B, K) Eq. 4
     F = ((verdicts == -1).unsqueeze(2) & z).sum(dim=1).to(torch.float64)  # (B, K) Eq. 4
     hit = (P + F) > 0  # (B, K) cited steps
-    q = torch.where(hit, P / (P + F).clamp(min=1.0), 0.0)  # Eq. 4
+    q = (F == 0).to(torch.float64) if strict else P / (P + F).clamp(min=1.0)  # (B, K) D18 or Eq. 4
+    q = torch.where(hit, q, 0.0)
     n_hit = hit.sum(dim=1)  # (B,)
     q_bar = q.sum(dim=1) / n_hit.clamp(min=1)  # (B,) Eq. 5
     q = torch.where(hit, q, q_bar.unsqueeze(1))  # Eq. 5: uncited steps get the mean
@@ -175,6 +190,7 @@ def draco_advantages(
     citations: Tensor,
     row_fallback: Tensor | None = None,
     reasons: list[str | None] | None = None,
+    strict: bool = False,
 ) -> CreditOutput:
     """DRACO's per-token advantages, draco.md Eq. 4-9, through the shared interface (Eq. I-4 then Eq. I-2):
     a_j = A · N · w_j / (n_j · Σ_k w_k) on every loss token of step j (Eq. 7), 0 on tokens in no step.
@@ -193,13 +209,14 @@ def draco_advantages(
         citations (`Tensor`): (B, C, K) bool.
         row_fallback (`Tensor`, *optional*): (B,) bool rows the producer already sends to fallback.
         reasons (`list[str | None]`, *optional*): their reason codes.
+        strict (`bool`): D18's step quality (see `draco_step_weights`).
 
     Returns:
         `CreditOutput` with the token-sum residual of P1.
     """
     B, K = turn_valid.shape
     n = turn_token_counts(turn_index, K)  # (B, K) Eq. I-5
-    w, cited = draco_step_weights(verdicts, citations, adv, turn_valid)  # (B, K) Eq. 4-6
+    w, cited = draco_step_weights(verdicts, citations, adv, turn_valid, strict)  # (B, K) Eq. 4-6
     m, zero = token_budget_multipliers(w, n, turn_valid)  # (B, K) Eq. 8 = Eq. I-4
     fb = torch.zeros(B, dtype=torch.bool, device=adv.device) if row_fallback is None else row_fallback.bool().clone()
     why = [None] * B if reasons is None else list(reasons)
@@ -312,7 +329,8 @@ class DRACOTrainer(AgentGRPOTrainer):
             verdicts[b, : len(res.verdicts)] = torch.tensor(res.verdicts, dtype=torch.long)
             steps[b] = res.steps
         citations = draco_citations(steps, K, C).to(device)  # (B, C, K), C9
-        out = draco_advantages(adv, batch.turn_index, batch.turn_valid, verdicts, citations, fallback, reasons)
+        strict = self.args.draco_step_quality == "strict"  # D18
+        out = draco_advantages(adv, batch.turn_index, batch.turn_valid, verdicts, citations, fallback, reasons, strict)
         self.credit = out
         self._log_draco(out, batch, verdicts, citations, todo, results)
         return out.advantages  # (B, T)
