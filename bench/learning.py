@@ -20,8 +20,8 @@ the folder). A reused run must record the config's trainer, environment and diff
 The table has one row per config, grouped by the environment and difficulty its runs' summary.json records; within an
 environment GRPO comes first, then PPO, T1, MPO, DRACO, then any other trainer, each in the order given. A row's method
 is its trainer, except that PPO with a separate critic (`critic_model_name_or_path` set, t1.md D2) is T1. Columns:
-- loss aggregation: the config's `loss_type` (TRL's default `dapo` when unset) for the trainers that read it; PPO and
-  MPO take one token mean over the optimizer step whatever `loss_type` says (conventions.md C22);
+- loss aggregation: the config's `loss_type`, TRL's default `dapo` (one token mean) when unset; every trainer reads
+  it (conventions.md C22);
 - the mean and spread (min to max) over seeds of: held-out success sampled at the config's temperature before and
   after RL, its gain, greedy success after RL, training success at a fixed number of rollouts, the rollouts needed to
   first reach `--threshold` training success, wall time, and any logged `--metrics` (e.g. critic/explained_variance)
@@ -57,9 +57,8 @@ sys.path.insert(0, str(ROOT))  # run from anywhere: the repository's packages
 from bench.record import write_result  # noqa: E402
 
 METHODS = ("grpo", "ppo", "t1", "mpo", "draco")  # row order within an environment; other trainers follow
-TOKEN_MEAN_TRAINERS = ("ppo", "mpo")  # conventions.md C22: one token mean over the optimizer step, loss_type unread
 TRL_LOSS_TYPE = "dapo"  # GRPOConfig.loss_type's default in TRL 1.16
-LOSS_TYPES = {"grpo": "episode mean", "dapo": "token mean", "bnpo": "token mean"}
+LOSS_TYPES = {"grpo": "episode mean", "dapo": "token mean", "bnpo": "token mean", "dr_grpo": "sum / max length"}
 
 
 @dataclass
@@ -102,8 +101,6 @@ def method(trainer: str, fields: dict) -> str:
 
 def aggregation(trainer: str, fields: dict) -> str:
     """How the trainer aggregates the policy loss over tokens and episodes (conventions.md C22)."""
-    if trainer in TOKEN_MEAN_TRAINERS:
-        return "token mean (fixed)"
     loss_type = str(fields.get("loss_type", TRL_LOSS_TYPE))
     return f"{loss_type} ({LOSS_TYPES[loss_type]})" if loss_type in LOSS_TYPES else loss_type
 

@@ -8,19 +8,29 @@ the same batch layout (`per_device_train_batch_size` rows per minibatch, `steps_
 generation batch, G = 2), after one untimed warm-up step (first-call costs). The time is the trainer's own
 `train_runtime` (generation, rewards, advantages, losses, optimizer steps), so model loading and trainer construction
 are not counted. Methods run with their own defaults: PPO with a value head on the policy's backbone (one extra no-grad
-forward per generation batch), MPO with a separate critic model (a second backbone forward and backward). Prints a
-markdown table of seconds per step and ratios. The README's figures come from
+policy forward per generation batch for V_old), MPO with a separate critic model (the critic's no-grad forward for
+V_old, and its forward and backward in every loss).
+
+Each method runs twice: learning (learning rate 1e-3), where every method plays its own episodes and their lengths
+drift apart as the policies move (a policy that learns shorter episodes generates and trains faster), and with the
+policy frozen (learning rate 0: every forward, backward and optimizer step still runs), where every method plays the
+same episodes, so the ratio is the method's own cost per step. The mean completion length of each run is recorded
+beside its time. Prints a markdown table of seconds per step and ratios; when the output folder already holds a result
+measured with the same settings, its learning figures appear beside the new ones as the earlier run (a before/after
+across a code change), with its timestamp. The README's figures come from
 
     python bench/overhead.py --steps 30 --model tiny:shop --batch_size 32 --max_completion_length 256 \
         --max_turn_tokens 24
 
-and are written to bench/results/overhead/result.json (each method's `train_runtime` and s/step, the warm-up's, the
-settings, library versions and machine) and result.md (the table), or into `--out`.
+and are written to bench/results/overhead/result.json (each method's `train_runtime`, s/step and mean completion
+length in both modes, the warm-up's, the settings, library versions and machine) and result.md (the table), or into
+`--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -41,6 +51,7 @@ from train import make_dataset  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 
 METHODS = ("grpo", "ppo", "mpo")
+LENGTH = "completions/mean_length"  # TRL's metric, averaged over the run (logging_strategy "no": one log at the end)
 
 
 def random_model(env: str, folder: str) -> str:
@@ -55,7 +66,10 @@ def random_model(env: str, folder: str) -> str:
     return folder
 
 
-def step_seconds(method: str, folder: str, env: str, opts: argparse.Namespace, workdir: str) -> float:
+def step_seconds(
+    method: str, folder: str, env: str, opts: argparse.Namespace, workdir: str, learning_rate: float = 1e-3
+) -> tuple[float, float | None]:
+    """Seconds per optimizer step of `method` and the run's mean completion length (tokens, model and environment)."""
     trainer_cls, config_cls = TRAINERS[method]
     env_cls = ENVIRONMENTS[env]
     config = config_cls(
@@ -66,7 +80,7 @@ def step_seconds(method: str, folder: str, env: str, opts: argparse.Namespace, w
         max_completion_length=opts.max_completion_length,
         max_turn_tokens=opts.max_turn_tokens,
         max_steps=opts.steps,
-        learning_rate=1e-3,
+        learning_rate=learning_rate,
         lr_scheduler_type="constant",
         report_to="none",
         seed=0,
@@ -88,17 +102,60 @@ def step_seconds(method: str, folder: str, env: str, opts: argparse.Namespace, w
     start = time.perf_counter()
     trainer.train()
     runtime = next((h["train_runtime"] for h in trainer.state.log_history if "train_runtime" in h), None)
-    return (runtime if runtime is not None else time.perf_counter() - start) / opts.steps
+    seconds = (runtime if runtime is not None else time.perf_counter() - start) / opts.steps
+    length = next((h[LENGTH] for h in trainer.state.log_history if LENGTH in h), None)  # mean over the run's batches
+    return seconds, length
 
 
-def report(seconds: dict[str, float], opts: argparse.Namespace) -> str:
-    """The console text and result.md: the settings line and the table of s/step and ratios vs GRPO."""
+def earlier_run(out: Path, opts: argparse.Namespace) -> dict | None:
+    """The figures of the result in `out` that this run replaces, if it was measured with the same settings."""
+    path = out / "result.json"
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    settings = {k: v for k, v in vars(opts).items() if k != "out"}
+    if {k: v for k, v in old.get("settings", {}).items() if k != "out"} != settings:
+        return None
+    env = old.get("environment", {})
+    keep = ("timestamp", "torch_threads", "omp_num_threads", "load_average")
+    return {"seconds_per_step": old["measured"]["seconds_per_step"]} | {k: env.get(k) for k in keep}
+
+
+def report(runs: dict[str, dict], opts: argparse.Namespace, earlier: dict | None = None) -> str:
+    """The console text and result.md: the settings line and, per mode (learning, frozen policy), the table of s/step,
+    ratios vs GRPO and mean completion lengths, with the earlier run's learning figures beside them when there is one.
+    `runs[mode][method]` is `step_seconds`' (s/step, mean completion length)."""
     lines = [
-        f"{opts.steps} steps on {opts.env}, model {opts.model}, {opts.batch_size} x 2 rows per generation batch\n",
-        "| method | s/step | ratio vs GRPO |\n| --- | ---: | ---: |",
+        f"{opts.steps} steps on {opts.env}, model {opts.model}, {opts.batch_size} x 2 rows per generation batch, "
+        f"{torch.get_num_threads()} torch thread(s)\n"
     ]
-    for method in seconds:
-        lines.append(f"| {method} | {seconds[method]:.3f} | {seconds[method] / seconds['grpo']:.2f} |")
+    head = "| method | learning: s/step | ratio vs GRPO | mean length "
+    head += "| frozen policy: s/step | ratio vs GRPO | mean length |"
+    rule = "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    if earlier is not None:
+        head, rule = head + " earlier run, learning: s/step | ratio vs GRPO |", rule + " ---: | ---: |"
+    lines += [head, rule]
+    for method in runs["learning"]:
+        row = f"| {method} |"
+        for mode in ("learning", "frozen"):
+            s, length = runs[mode][method]
+            row += f" {s:.3f} | {s / runs[mode]['grpo'][0]:.2f} | {'' if length is None else f'{length:.1f}'} |"
+        if earlier is not None:
+            old = earlier["seconds_per_step"]
+            row += f" {old[method]:.3f} | {old[method] / old['grpo']:.2f} |" if method in old else " | |"
+        lines.append(row)
+    lines.append(
+        "\nLearning: each method plays its own episodes (learning rate 1e-3), whose lengths drift apart as the "
+        "policies move. Frozen policy: learning rate 0, every method plays the same episodes, so the ratio is the "
+        "method's own cost per step. Mean length: tokens per completion (model and environment), averaged over the "
+        "run."
+    )
+    if earlier is not None:
+        lines.append(
+            f"Earlier run: the result this one replaced, measured {earlier['timestamp']} with "
+            f"{earlier['torch_threads']} torch thread(s) (learning only). Absolute times depend on the machine's "
+            "load; compare ratios."
+        )
     return "\n".join(lines)
 
 
@@ -117,17 +174,31 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             folder = random_model(opts.env, os.path.join(workdir, "model"))
         else:
             folder = tiny_model(opts.model) if is_tiny(opts.model) else opts.model
-        warmup = step_seconds("grpo", folder, opts.env, argparse.Namespace(**{**vars(opts), "steps": 1}), workdir)
-        seconds = {m: step_seconds(m, folder, opts.env, opts, workdir) for m in METHODS}
-    text = report(seconds, opts)
+        one = argparse.Namespace(**{**vars(opts), "steps": 1})
+        warmup = step_seconds("grpo", folder, opts.env, one, workdir)[0]
+        rates = {"learning": 1e-3, "frozen": 0.0}
+        runs = {
+            mode: {m: step_seconds(m, folder, opts.env, opts, workdir, lr) for m in METHODS}
+            for mode, lr in rates.items()
+        }
+    earlier = earlier_run(opts.out, opts)
+    text = report(runs, opts, earlier)
     print("\n" + text)
+    seconds = {m: s for m, (s, _) in runs["learning"].items()}
+    frozen = {m: s for m, (s, _) in runs["frozen"].items()}
     measured = {
-        "seconds_per_step": seconds,
+        "seconds_per_step": seconds,  # learning
         "train_runtime_s": {m: s * opts.steps for m, s in seconds.items()},
         "ratio_vs_grpo": {m: s / seconds["grpo"] for m, s in seconds.items()},
+        "mean_completion_length": {m: n for m, (_, n) in runs["learning"].items()},
+        "frozen_seconds_per_step": frozen,  # learning rate 0: every method plays the same episodes
+        "frozen_train_runtime_s": {m: s * opts.steps for m, s in frozen.items()},
+        "frozen_ratio_vs_grpo": {m: s / frozen["grpo"] for m, s in frozen.items()},
+        "frozen_mean_completion_length": {m: n for m, (_, n) in runs["frozen"].items()},
         "warmup_grpo_s": warmup,  # one untimed-for-the-table GRPO step before the measured runs
         "model": folder if opts.model != "random" else "random (temporary folder)",
         "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "earlier_run": earlier,  # the replaced result's s/step, timestamp and threads (same settings), or None
     }
     written = write_result(opts.out, "overhead", vars(opts) | {"out": str(opts.out)}, measured, text)
     print(f"\nwrote {' and '.join(map(str, written))}", file=sys.stderr)

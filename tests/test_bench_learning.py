@@ -71,8 +71,9 @@ def test_method_aggregation_and_settings(tmp_path):
     assert learning.method("ppo", {}) == "ppo" and learning.method("mpo", {"critic_model_name_or_path": "p"}) == "mpo"
     assert learning.aggregation("grpo", {"loss_type": "grpo"}) == "grpo (episode mean)"
     assert learning.aggregation("draco", {}) == "dapo (token mean)"  # TRL's default when the config names none
-    assert learning.aggregation("ppo", {"loss_type": "grpo"}) == "token mean (fixed)"
-    assert learning.aggregation("grpo", {"loss_type": "dr_grpo"}) == "dr_grpo"
+    assert learning.aggregation("ppo", {"loss_type": "grpo"}) == "grpo (episode mean)"  # every trainer reads it (C22)
+    assert learning.aggregation("mpo", {}) == "dapo (token mean)"
+    assert learning.aggregation("grpo", {"loss_type": "luspo"}) == "luspo"  # unknown to the table: named as is
     config = tmp_path / "x.yaml"
     config.write_text("trainer: ppo\nloss_type: grpo\nbeta: 0.0\n")
     # overrides apply in order: --set first, then the variant's own (train.py's argparse keeps the last)
@@ -148,7 +149,7 @@ def test_two_environments_grouped_with_step_time_collapse_and_reuse(bench):
         ["terminal (0)", "ppo", "ppo_term"],
         ["terminal (0)", "mpo", "mpo_term"],
     ]
-    assert [r[3] for r in rows] == ["grpo (episode mean)"] + ["token mean (fixed)"] * 3
+    assert [r[3] for r in rows] == ["grpo (episode mean)"] + ["dapo (token mean)"] * 3  # the fixtures name none
     step = [r[12] for r in rows]  # ms per rollout: 3.0 s, 9.0 s, 80 s / 20 rollouts = 4.0 s
     assert step == ["1.00x (3000.0 ms)", "3.00x (9000.0 ms)", "n/a (4000.0 ms)", "n/a (4000.0 ms)"]
     assert [r[8] for r in rows] == ["none", "none", "none", "s1: 0.300 → 0.200"]

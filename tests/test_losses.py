@@ -12,6 +12,8 @@ import torch
 from torch.autograd.functional import jacobian
 
 from trainers.losses import (
+    LOSS_TYPES,
+    aggregate_loss,
     clip_fractions,
     clipped_surrogate,
     clipped_surrogate_loss,
@@ -73,6 +75,50 @@ def test_gradient_accumulation_equals_one_batch():
     )
     close(parts, full)
     close(grad_of(parts, logps), grad_of(full, logps))
+
+
+# Two rows of different lengths: row 0 has 3 loss tokens (values 1, 2, 3; the 9 sits on an environment token), row 1
+# has 1 loss token (value 6). Σ m x = 1 + 2 + 3 + 6 = 12 over 4 loss tokens.
+AGG_X = [[1.0, 2.0, 9.0, 3.0], [6.0, 5.0, 0.0, 0.0]]
+AGG_MASK = [[1, 1, 0, 1], [1, 0, 0, 0]]
+AGG_EXPECTED = {
+    "grpo": (6 / 3 + 6 / 1) / 2,  # row means 2 and 6, then their mean: 4 (each row weighs the same; grpo.md Eq. 6)
+    "bnpo": 12 / 4,  # one token mean over the micro-batch: 3 (grpo.md Eq. 8)
+    "dapo": 12 / 8,  # over the given N_tok = 8 (e.g. two such micro-batches per optimizer step): 1.5 (grpo.md Eq. 7)
+    "dr_grpo": 12 / (2 * 5),  # over B x max_completion_length = 2 x 5: 1.2 (Dr. GRPO)
+}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_aggregate_loss_hand_computed(loss_type):
+    x = t(AGG_X, grad=True)
+    mask = torch.tensor(AGG_MASK)
+    loss = aggregate_loss(x, mask, loss_type, num_tokens=8, max_completion_length=5)
+    close(loss, AGG_EXPECTED[loss_type])
+    # gradient: the weight of each loss token; exactly 0 on the environment token and the padding
+    weight = {"grpo": [1 / 6, 1 / 2], "bnpo": [1 / 4, 1 / 4], "dapo": [1 / 8, 1 / 8], "dr_grpo": [1 / 10, 1 / 10]}
+    w0, w1 = weight[loss_type]  # grpo: 1 / (B * N_b) = 1 / (2 * 3) on row 0, 1 / (2 * 1) on row 1
+    close(grad_of(loss, x), [[w0, w0, 0.0, w0], [w1, 0.0, 0.0, 0.0]])
+
+
+def test_aggregate_loss_all_masked_row_counts_in_grpo_and_dtype():
+    # row 1 has no loss token: it adds 0 but still counts in B, as in TRL: (6 / 3 + 0) / 2 = 1
+    x = t([[1.0, 2.0, 3.0], [float("nan"), 4.0, 5.0]], dtype=torch.float32)
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    loss = aggregate_loss(x, mask, "grpo")
+    assert loss.dtype == torch.float32
+    close(loss, 1.0)
+
+
+def test_aggregate_loss_refuses_unknown_types_and_missing_normalisers():
+    x, mask = t(AGG_X), torch.tensor(AGG_MASK)
+    for bad in ("sapo", "cispo", "luspo", "vespo", "token_mean"):
+        with pytest.raises(ValueError, match="loss_type"):
+            aggregate_loss(x, mask, bad)
+    with pytest.raises(ValueError, match="num_tokens"):
+        aggregate_loss(x, mask, "dapo")
+    with pytest.raises(ValueError, match="max_completion_length"):
+        aggregate_loss(x, mask, "dr_grpo")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

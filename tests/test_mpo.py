@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.test_ppo import capture_audits, capture_batches, check_tito_audit, logged
+from tests.test_ppo import capture_audits, capture_batches, check_loss_aggregation, check_tito_audit, logged
 from tests.test_ppo import make_trainer as make_ppo_trainer
 from trainers.mpo import MPOConfig, MPOTrainer
 
@@ -132,3 +132,13 @@ def test_mpo_config_validation(tmp_path):
         MPOConfig(turn_ratio="sum", **common)
     with pytest.raises(ValueError, match="value_target"):
         MPOConfig(value_target="td", **common)
+    assert config.loss_type == "dapo"  # TRL's default: the global token mean of mpo.md Eq. 16
+    with pytest.raises(ValueError, match="loss_type"):
+        MPOConfig(loss_type="sapo", **common)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_mpo_loss_type_aggregates_actor_and_critic(loss_type, tiny_model_folder, tiny_tokenizer, tmp_path):
+    # conventions.md C22: MPO's actor (turn ratio 1 before any update) and critic losses under TRL's loss_type
+    trainer = make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path, loss_type=loss_type, max_steps=1)
+    check_loss_aggregation(trainer, loss_type)

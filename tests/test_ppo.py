@@ -17,6 +17,7 @@ from datasets import Dataset
 
 from trainers.advantages import place_turn_rewards, token_gae
 from trainers.base import reward_function
+from trainers.losses import LOSS_TYPES
 from trainers.ppo import AgentPPOTrainer, PPOConfig
 
 
@@ -279,3 +280,58 @@ def test_config_reward_selection_and_validation(tmp_path):
         PPOConfig(reward="nope", **common)
     with pytest.raises(ValueError, match="beta"):
         PPOConfig(beta=0.1, **common)
+    assert PPOConfig(**common).loss_type == "dapo"  # TRL's default: a config that says nothing keeps the token mean
+    for loss_type in ("sapo", "cispo", "luspo", "vespo"):  # they change the per-token loss, not its aggregation
+        with pytest.raises(ValueError, match="loss_type"):
+            PPOConfig(loss_type=loss_type, **common)
+
+
+def reference_aggregate(x: list, mask: list, loss_type: str, n_tok: float, max_completion_length: int) -> float:
+    """Plain-Python aggregation of one micro-batch's per-token values under TRL's loss types (grpo.md Eq. 6-8, and
+    Dr. GRPO's B x max_completion_length): `x` and `mask` are nested lists (B, T)."""
+    rows = [[v for v, m in zip(x_row, m_row, strict=True) if m] for x_row, m_row in zip(x, mask, strict=True)]
+    total = sum(sum(r) for r in rows)
+    if loss_type == "grpo":
+        return sum(sum(r) / max(len(r), 1) for r in rows) / len(rows)  # each row's token mean, then rows
+    if loss_type == "bnpo":
+        return total / max(sum(len(r) for r in rows), 1)  # this micro-batch's token mean
+    if loss_type == "dapo":
+        return total / n_tok  # the optimizer step's tokens per micro-batch
+    return total / (len(rows) * max_completion_length)  # dr_grpo
+
+
+def check_loss_aggregation(trainer, loss_type: str) -> None:
+    """Train one optimizer step and check the first micro-batch's loss against `reference_aggregate`: before any
+    update the ratio is 1 and V = V_old up to round-off, so the actor's per-token loss is -A (no clip binds) and the
+    critic's (V_old - R)^2, and the loss must be agg(-A) + vf_coef * agg((V_old - R)^2) under `loss_type`, for actor
+    and critic alike (conventions.md C22, ppo.md D8). It must also differ from the default `dapo` aggregation (or,
+    for `dapo`, from `grpo`), so a trainer that ignored `loss_type` would fail."""
+    seen, original = [], trainer.policy_loss
+
+    def recording(model, inputs):
+        loss = original(model, inputs)
+        seen.append((inputs, loss.detach()))
+        return loss
+
+    trainer.policy_loss = recording
+    trainer.train()
+    inputs, loss = seen[0]
+    mask = (inputs["completion_mask"] * inputs["tool_mask"] * inputs["scorable"].unsqueeze(1)).tolist()
+    actor_tok = (-inputs["advantages"].double()).tolist()
+    critic_tok = ((inputs["old_values"].double() - inputs["returns"].double()) ** 2).tolist()
+    a = trainer.args
+    n_tok = inputs["num_items_in_batch"].item() / a.steps_per_generation  # one process, GA = 1
+
+    def expected(kind: str) -> float:
+        agg = [reference_aggregate(x, mask, kind, n_tok, a.max_completion_length) for x in (actor_tok, critic_tok)]
+        return agg[0] + a.vf_coef * agg[1]
+
+    assert loss.item() == pytest.approx(expected(loss_type), abs=1e-5)
+    other = "grpo" if loss_type == "dapo" else "dapo"
+    assert abs(loss.item() - expected(other)) > 1e-3
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_type_aggregates_actor_and_critic(loss_type, tiny_model_folder, tiny_tokenizer, tmp_path):
+    trainer = make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path, loss_type=loss_type, max_steps=1)
+    check_loss_aggregation(trainer, loss_type)

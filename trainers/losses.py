@@ -3,8 +3,9 @@
 Conventions (DESIGN.md): B rows, T completion tokens, K turns; `mask` (B, T) is 1 on model tokens and 0 on environment
 tokens and padding; `turn_index` (B, T) is k on the model tokens of turn k and -1 elsewhere. Per-token losses are
 returned as (B, T) tensors that are exactly 0 off the mask (C6), and environment tokens receive exactly zero gradient;
-aggregate them with `masked_token_mean`. Inputs off the mask may hold anything finite or not (padding log-probs, NaN
-advantages): they are replaced by 0 before any arithmetic, so they never leak NaN into values or gradients.
+aggregate them with `aggregate_loss` (TRL's `loss_type`s) or `masked_token_mean`. Inputs off the mask may hold
+anything finite or not (padding log-probs, NaN advantages): they are replaced by 0 before any arithmetic, so they never
+leak NaN into values or gradients.
 
 Arithmetic runs in float64 and the result is cast back to the dtype of the main input (conventions.md C2); the
 casts are differentiable.
@@ -72,6 +73,58 @@ def dapo_token_count(
     """
     n_tok = num_items_in_batch.clamp(min=1.0) / num_processes  # tokens per rank
     return n_tok / steps_per_generation if training else n_tok  # per micro-batch (TRL's "dapo" normaliser)
+
+
+LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")  # TRL's aggregations of the clipped surrogate (conventions.md C22)
+
+
+def aggregate_loss(
+    per_token: Tensor,
+    mask: Tensor,
+    loss_type: str,
+    num_tokens: float | Tensor | None = None,
+    max_completion_length: int | None = None,
+) -> Tensor:
+    """Aggregate one micro-batch's per-token loss as TRL's `GRPOTrainer` does for `loss_type` (grpo.md Eq. 6-8,
+    conventions.md C22), before the division by the gradient-accumulation steps:
+
+        grpo:     (1 / B) Σ_b Σ_t m_{b,t} x_{b,t} / max(1, Σ_t m_{b,t})    mean over each row's loss tokens, then rows
+        dapo:     Σ_{b,t} m_{b,t} x_{b,t} / N_tok                             N_tok from `dapo_token_count`
+        bnpo:     Σ_{b,t} m_{b,t} x_{b,t} / max(1, Σ_{b,t} m_{b,t})           token mean over this micro-batch
+        dr_grpo:  Σ_{b,t} m_{b,t} x_{b,t} / (B * max_completion_length)       Dr. GRPO, https://huggingface.co/papers/2503.20783
+
+    A row without loss tokens adds 0 but still counts in B (as in TRL). TRL's other loss types change the per-token
+    loss itself (`cispo`, `sapo`, `vespo`) or need sequence-level ratios (`luspo`); they are refused.
+
+    Args:
+        per_token (`Tensor`): (B, T) per-token values (0 off the mask or not: masked entries are ignored).
+        mask (`Tensor`): (B, T) loss mask.
+        loss_type (`str`): one of `LOSS_TYPES`.
+        num_tokens (`float` or `Tensor`, *optional*): N_tok, required for `"dapo"`.
+        max_completion_length (`int`, *optional*): the config's `max_completion_length`, required for `"dr_grpo"`.
+
+    Returns:
+        `Tensor`: 0-d, in the dtype of `per_token`.
+
+    >>> x, m = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 0.0]]), torch.tensor([[1, 1, 0], [1, 0, 0]])
+    >>> aggregate_loss(x, m, "grpo"), aggregate_loss(x, m, "dr_grpo", max_completion_length=3)
+    (tensor(2.2500), tensor(1.))
+    """
+    if loss_type == "dapo":
+        if num_tokens is None:
+            raise ValueError("loss_type 'dapo' needs num_tokens (N_tok, from dapo_token_count)")
+        return masked_token_mean(per_token, mask, num_tokens)  # grpo.md Eq. 7
+    if loss_type == "bnpo":
+        return masked_token_mean(per_token, mask)  # grpo.md Eq. 8
+    x = _masked64(per_token, mask)  # (B, T)
+    if loss_type == "grpo":
+        n_row = mask.bool().sum(dim=1).clamp(min=1).to(torch.float64)  # (B,)
+        return (x.sum(dim=1) / n_row).mean().to(per_token.dtype)  # grpo.md Eq. 6
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
+        return (x.sum() / (x.shape[0] * max_completion_length)).to(per_token.dtype)  # Dr. GRPO's constant normaliser
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
 
 def clipped_surrogate(

@@ -22,9 +22,10 @@ V_old, truncation and bootstrap values, whitening, the critic's value loss, T1 o
 `MPOTrainer` overrides only the estimator (`estimate_advantages`) and the actor's per-token loss (`actor_loss`).
 
 What stays the same: the agent loop, reward placement (per-turn environment rewards on their turn, the outcome on the
-last turn, Eq. 4), truncation handling (C4), the clipped value loss (Eq. 18), the global token-mean aggregation
-(Eq. 16, TRL's "dapo"), no KL and no entropy bonus, no whitening (D9). Left out: G = 1 (TRL requires G >= 2; groups are
-unused) and mask-derived vs explicit turn segmentation cross-checks (D11: the base uses the explicit `turn_index`).
+last turn, Eq. 4), truncation handling (C4), the clipped value loss (Eq. 18), the aggregation of actor and critic
+losses by TRL's `loss_type` (default "dapo", the global token mean of Eq. 16; "grpo", "bnpo", "dr_grpo" by C22), no KL
+and no entropy bonus, no whitening (D9). Left out: G = 1 (TRL requires G >= 2; groups are unused) and mask-derived vs
+explicit turn segmentation cross-checks (D11: the base uses the explicit `turn_index`).
 
 Logged metrics (besides the PPO trainer's `critic/*`, `actor/*`, `ppo/*`, `t1/*`; `ppo/advantage_*` describe A~):
 - `mpo/inter_turn_var_share`: Eq. 20, between-turn share of V_old's within-trajectory variance (omitted: undefined).
@@ -503,7 +504,7 @@ def mpo_loss(
         for A~ < 0: L <- min(L, -c_dual * A~).
 
     Every token of a turn shares the turn's ratio, so clip decisions depend only on (rho_k, sign A~_{k,i}). Aggregate
-    with `masked_token_mean` over the global token count (Eq. 16, `loss_type="dapo"`).
+    with `aggregate_loss` (Eq. 16: the global token mean, `loss_type="dapo"`; or `"grpo"` etc., conventions.md C22).
 
     Args:
         logps (`Tensor`): (B, T) log pi_theta (differentiable).

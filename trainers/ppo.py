@@ -19,9 +19,10 @@ What changes relative to GRPO (`AgentGRPOTrainer`):
    episode (the old default, which collapsed PPO on tiny:shop), `false` none.
 3. **Old values V^old** come from a no-grad forward right after generation (before any update on the batch) and reach
    the loss as `old_values` and `returns` in `batch.extras`.
-4. **Loss** = clipped surrogate (t1.md Eq. 11) + `vf_coef` x clipped value loss (t1.md Eq. 12), both global token means
-   over the optimizer step (TRL's `"dapo"` normalisation), divided by the accumulation steps (TRL's
-   `loss_is_scaled_for_ga`). No KL term (`beta` must be 0), no entropy bonus.
+4. **Loss** = clipped surrogate (t1.md Eq. 11) + `vf_coef` x clipped value loss (t1.md Eq. 12), both aggregated as
+   TRL's `loss_type` says (`grpo`, `dapo`, `bnpo` or `dr_grpo`, conventions.md C22; TRL's default `dapo` is one token
+   mean over the optimizer step), divided by the accumulation steps (TRL's `loss_is_scaled_for_ga`). No KL term
+   (`beta` must be 0), no entropy bonus.
 5. **T1 options**: `critic_lr_multiplier` (own optimizer parameter group, t1.md Eq. 13), `critic_warmup_steps`
    (critic-only optimizer steps: actor loss x 0 and actor gradients dropped, so actor weights stay bit-identical,
    t1.md D4), explained variance every generation batch from all-reduced sums (t1.md Eq. 14-15) with a warning when
@@ -80,11 +81,12 @@ from trainers.advantages import (
 )
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
 from trainers.losses import (
+    LOSS_TYPES,
+    aggregate_loss,
     clip_fractions,
     clipped_surrogate_loss,
     clipped_value_loss,
     dapo_token_count,
-    masked_token_mean,
 )
 
 logger = logging.getLogger(__name__)
@@ -148,6 +150,11 @@ class PPOConfig(AgentGRPOConfig):
         super().__post_init__()
         if self.beta != 0.0:
             raise ValueError(f"beta must be 0: the critic trainers have no KL term (t1.md §5), got {self.beta}")
+        if self.loss_type not in LOSS_TYPES:  # conventions.md C22; the others change the per-token loss itself
+            raise ValueError(
+                f"loss_type must be one of {LOSS_TYPES} for the critic trainers (conventions.md C22), got "
+                f"{self.loss_type!r}"
+            )
         if self.critic_lr_multiplier <= 0:
             raise ValueError(f"critic_lr_multiplier must be > 0, got {self.critic_lr_multiplier}")
         if self.critic_warmup_steps < 0:
@@ -214,14 +221,18 @@ class AgentPPOTrainer(AgentGRPOTrainer):
             hidden = output.last_hidden_state  # (B, L, H)
             self._capture.append(self.critic(hidden.to(self.critic.weight.dtype)).squeeze(-1).float())  # (B, L)
 
+    def critic_values(self, inputs: dict) -> Tensor:
+        """A separate critic's values (B, L) at every position of prompt + completion, with no policy forward."""
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # (B, L)
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # (B, L)
+        with self.accelerator.autocast():
+            return self.critic(ids, attn).float()  # (B, L)
+
     def forward_with_values(self, model, inputs: dict, compute_entropy: bool = False):
         """`forward_logps` plus the critic's values (B, L) at every position of prompt + completion."""
         if isinstance(self.critic, Critic):
             logps, entropies, aux = self.forward_logps(model, inputs, compute_entropy)
-            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # (B, L)
-            attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # (B, L)
-            with self.accelerator.autocast():
-                return logps, entropies, aux, self.critic(ids, attn).float()
+            return logps, entropies, aux, self.critic_values(inputs)
         self._capture = []
         try:
             logps, entropies, aux = self.forward_logps(model, inputs, compute_entropy)  # the hook fills _capture
@@ -233,15 +244,17 @@ class AgentPPOTrainer(AgentGRPOTrainer):
     @torch.no_grad()
     def old_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """V_old before each completion token (B, T) and after each (B, T), float32, from a no-grad forward in chunks
-        of `per_device_train_batch_size` rows."""
+        of `per_device_train_batch_size` rows: the critic's alone when it is separate, else the policy's (whose
+        backbone feeds the value head; its log-probs are not needed)."""
         keys = {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask}
         keys.update(completion_ids=batch.completion_ids, completion_mask=batch.completion_mask)
         (B, T), n = batch.completion_ids.shape, self.args.per_device_train_batch_size
+        separate, chunks = isinstance(self.critic, Critic), []
         with self.free_routing():  # MoE replay: the rollout's routes are gone by now; values route freely
-            chunks = [
-                self.forward_with_values(self.model, {k: v[s : s + n] for k, v in keys.items()})[3]
-                for s in range(0, B, n)
-            ]
+            for s in range(0, B, n):
+                chunk = {k: v[s : s + n] for k, v in keys.items()}
+                values = self.critic_values(chunk) if separate else self.forward_with_values(self.model, chunk)[3]
+                chunks.append(values)  # (n, L)
         values = torch.cat(chunks, dim=0)  # (B, L)
         return values[:, :-1][:, -T:], values[:, -T:]  # state before / after each completion token
 
@@ -302,9 +315,10 @@ class AgentPPOTrainer(AgentGRPOTrainer):
 
     # Hook 2: the loss
     def policy_loss(self, model, inputs: dict) -> Tensor:
-        """actor + vf_coef * critic for one micro-batch, as global token means over the optimizer step (TRL's "dapo"
-        normaliser), scaled for gradient accumulation. One forward gives log-probs and values; the actor's per-token
-        loss comes from `actor_loss`, the critic's is the clipped value loss (t1.md Eq. 12)."""
+        """actor + vf_coef * critic for one micro-batch, both aggregated as `loss_type` says (TRL's aggregations;
+        default "dapo", one token mean over the optimizer step; conventions.md C22), scaled for gradient accumulation.
+        One forward gives log-probs and values; the actor's per-token loss comes from `actor_loss`, the critic's is the
+        clipped value loss (t1.md Eq. 12)."""
         a, train = self.args, self.model.training
         logps, entropies, aux, values_all = self.forward_with_values(model, inputs, compute_entropy=True)
         mask = self.loss_mask(inputs) * inputs["scorable"].unsqueeze(1)  # (B, T) without unscorable rows (D9)
@@ -315,9 +329,10 @@ class AgentPPOTrainer(AgentGRPOTrainer):
         n_tok = dapo_token_count(
             inputs["num_items_in_batch"], self.accelerator.num_processes, a.steps_per_generation, train
         )
-        actor = masked_token_mean(actor_tok, mask, n_tok)  # t1.md Eq. 11
+        agg = {"loss_type": a.loss_type, "num_tokens": n_tok, "max_completion_length": a.max_completion_length}
+        actor = aggregate_loss(actor_tok, mask, **agg)  # t1.md Eq. 11, aggregated per conventions.md C22
         vf_tok = clipped_value_loss(values, inputs["old_values"], inputs["returns"], mask, a.cliprange_value)  # Eq. 12
-        critic = masked_token_mean(vf_tok, mask, n_tok)  # t1.md Eq. 12
+        critic = aggregate_loss(vf_tok, mask, **agg)  # t1.md Eq. 12, the actor's aggregation (ppo.md D8)
         loss = (0.0 if self.critic_only() else 1.0) * actor + a.vf_coef * critic  # t1.md D4: critic-only phase
         if aux is not None:
             loss = loss + self.router_aux_loss_coef * aux
