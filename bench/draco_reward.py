@@ -388,30 +388,6 @@ def type_stats(groups: list[dict], key: str) -> dict[str, dict]:
     return out
 
 
-def strict_step_weights(verdicts: Tensor, citations: Tensor, adv: Tensor, turn_valid: Tensor) -> Tensor:
-    """A stricter Eq. 4, not DRACO's: Q_j = 0 when a FAIL verdict cites step j, else 1 (on cited steps); Eq. 5 and 6
-    as in `trainers.draco.draco_step_weights` (uncited steps take the mean Q of the cited ones; a winner w = Q, a
-    loser w = 1 − Q). A winner's step that a failed criterion cites is then never reinforced.
-
-    Args: as `draco_step_weights`: verdicts (B, C), citations (B, C, K) bool, adv (B,), turn_valid (B, K).
-    Returns: w (B, K) float64, 0 off the row's turns.
-
-    >>> strict_step_weights(torch.tensor([[1, -1]]), torch.tensor([[[1, 1, 0], [0, 1, 0]]]).bool(),
-    ...                     torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool)).tolist()  # Q = [1, 0, 1/2]
-    [[1.0, 0.0, 0.5]]
-    """
-    valid = turn_valid.bool()  # (B, K)
-    z = citations.bool() & valid.unsqueeze(1)  # (B, C, K)
-    P = ((verdicts == 1).unsqueeze(2) & z).sum(dim=1)  # (B, K)
-    F = ((verdicts == -1).unsqueeze(2) & z).sum(dim=1)  # (B, K)
-    hit = (P + F) > 0  # (B, K) cited steps
-    q = torch.where(hit & (F == 0), 1.0, 0.0).to(torch.float64)  # (B, K) the strict Eq. 4
-    q_bar = q.sum(dim=1) / hit.sum(dim=1).clamp(min=1)  # (B,) Eq. 5
-    q = torch.where(hit, q, q_bar.unsqueeze(1))
-    w = torch.where(adv.to(torch.float64).unsqueeze(1) >= 0, q, 1.0 - q)  # Eq. 6
-    return torch.where(valid, w, 0.0)
-
-
 def step_shares(w: Tensor, turn_valid: Tensor) -> tuple[Tensor, Tensor]:
     """ρ_j = w_j / Σ_k w_k, the share of a row's push on step j (draco.md P5); a row whose weights sum to 0 takes the
     GRPO broadcast (Eq. 9), counted here as equal steps, ρ_j = 1/M. Returns ρ (B, K) and the fallback rows (B,).
@@ -435,8 +411,8 @@ def credit_shares(reward: DracoReward, pipeline: RubricPipeline, adv: Tensor, ro
     * the mean share ρ of the push on the last step for winners (A > 0) and losers (A < 0) over the rows that do not
       fall back (Eq. 9), against the uniform 1/M, and the fallback rates;
     * the net push on the last step per rollout, mean of A·ρ_last over every rollout of the type (the last step's
-      weight in the loss under `loss_type: grpo`), with DRACO's weights, with `strict_step_weights`, and with no
-      credit (the GRPO broadcast, counted as equal steps: A/M). Negative means the last action is discouraged.
+      weight in the loss under `loss_type: grpo`), with DRACO's weights, with draco.md D18's strict quality, and with
+      no credit (the GRPO broadcast, counted as equal steps: A/M). Negative means the last action is discouraged.
     """
     records = reward.last
     todo = [b for b, r in enumerate(records) if adv[b] != 0 and r.verdicts is not None]
@@ -457,7 +433,7 @@ def credit_shares(reward: DracoReward, pipeline: RubricPipeline, adv: Tensor, ro
     w, cited = draco_step_weights(verdicts, citations, adv, turn_valid)  # (B, K), (B,) Eq. 4-6
     rho, fallback = step_shares(w, turn_valid)  # (B, K), (B,)
     fallback |= ~cited  # Eq. 9 "no_citation" (a loser's weights are then all 1: the same equal shares)
-    rho_strict, _ = step_shares(strict_step_weights(verdicts, citations, adv, turn_valid), turn_valid)
+    rho_strict, _ = step_shares(draco_step_weights(verdicts, citations, adv, turn_valid, strict=True)[0], turn_valid)
     acc: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for b, r in enumerate(rollouts):
         d, M, a = acc[r["type"]], len(r["transcript"]), float(adv[b])

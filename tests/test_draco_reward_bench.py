@@ -21,7 +21,6 @@ from bench.draco_reward import (
     score,
     search_guess,
     step_shares,
-    strict_step_weights,
     weighted_rubric_reward,
 )
 from envs import SearchEnv, ShopEnv, TerminalEnv
@@ -168,6 +167,6 @@ def test_strict_weights_against_draco_on_a_purchase_without_size():
     # winner: w = [1, 1, 0.8], buy share 0.8 / 2.8 = 2/7; loser: w = [0, 0, 0.2], all the push on buy
     torch.testing.assert_close(rho, torch.tensor([[5 / 14, 5 / 14, 2 / 7], [0.0, 0.0, 1.0]], dtype=torch.float64))
     assert fallback.tolist() == [False, False]
-    rho, _ = step_shares(strict_step_weights(verdicts, z, adv, valid), valid)
+    rho, _ = step_shares(draco_step_weights(verdicts, z, adv, valid, strict=True)[0], valid)
     # strict winner: w = [1, 1, 0] -> the buy is not reinforced; loser: w = [0, 0, 1]
     torch.testing.assert_close(rho, torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64))
