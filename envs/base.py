@@ -12,7 +12,8 @@ Built-in environments (`envs/shop.py`, `envs/terminal.py`, `envs/search.py`) sub
 task generator with disjoint train and eval splits (`make_tasks`), an expert (`expert_action`) for demonstrations,
 and a plausible wrong action (`noisy_action`) for noisy demonstrations. Environments know nothing about trainers.
 
-`ToolEnv` wraps a class written for TRL's `environment_factory` (a `reset(**row)` method, public typed tool methods
+`ProtocolEnv` runs any object with `reset` and `step` (no base class needed). `ToolEnv` wraps a class written for
+TRL's `environment_factory` (a `reset(**row)` method, public typed tool methods
 with Google-style docstrings, optional `get_reward()`): tool calls in the assistant text are parsed, the methods are
 called, and their results come back as `tool` messages; a turn without a tool call ends the episode.
 """
@@ -89,6 +90,37 @@ def noisy_expert_episode(env: Env, task: dict, noise: float, rng: random.Random)
         if done:
             return first, transcript, True
     return first, transcript, False
+
+
+def row_task(row: dict) -> dict:
+    """The task of a dataset row: its `task` column (a JSON string or a dict), else the whole row (as TRL's
+    `reset(**row)`)."""
+    if "task" not in row:
+        return row
+    return json.loads(row["task"]) if isinstance(row["task"], str) else row["task"]
+
+
+class ProtocolEnv(Env):
+    """Runs any object with `reset(task) -> str` and `step(action) -> (observation, reward, done, info)` (duck typing,
+    no base class needed) as an `Env`. Optional attributes of the object are used when present: `state_key()`,
+    `tools`, `observation_role`, `max_turns`, `continues_past_cut`; otherwise the `Env` defaults apply."""
+
+    def __init__(self, inner: Any):
+        super().__init__()
+        self.inner = inner
+        self.name = type(inner).__name__
+        for attr in ("tools", "observation_role", "max_turns", "continues_past_cut"):
+            if hasattr(inner, attr):
+                setattr(self, attr, getattr(inner, attr))
+
+    def reset(self, task: dict) -> str:
+        return self.inner.reset(task)
+
+    def step(self, action: str) -> tuple[str, float, bool, dict]:
+        return self.inner.step(action)
+
+    def state_key(self) -> str:
+        return str(self.inner.state_key()) if hasattr(self.inner, "state_key") else ""
 
 
 def check_split(split: str) -> None:
@@ -170,9 +202,10 @@ class ToolEnv(Env):
 
     observation_role = "tool"
 
-    def __init__(self, env_cls: type, max_turns: int = 8):
+    def __init__(self, env_cls: type, max_turns: int = 8, env_kwargs: dict | None = None):
         super().__init__()
         self.env_cls = env_cls
+        self.env_kwargs = dict(env_kwargs or {})
         self.name = env_cls.__name__
         self.max_turns = max_turns
         self._methods = tool_methods(env_cls)
@@ -187,7 +220,7 @@ class ToolEnv(Env):
         return float(self.instance.get_reward()) if hasattr(self.instance, "get_reward") else 0.0
 
     def reset(self, task: dict) -> str:
-        self.instance = self.env_cls()
+        self.instance = self.env_cls(**self.env_kwargs)
         self._n_calls, self._reward = 0, 0.0
         extra = self.instance.reset(**task)
         prompt = task.get("prompt", "")

@@ -8,6 +8,7 @@ unscorable, as TRL treats `None`). They know nothing about trainers.
   fallback causes tagged in the order of conventions.md C20.
 * `assertion_blend_reward`: the ablation-only variant r = clip(max(b, 0.4 P/A), 0, max(1, b)) (t1.md Eq. 3).
 * `binary_success_reward`: r = b, the pass/fail of the whole verifier (the critic warm-up reward, t1.md D3).
+* `exact_match_reward`: 1 when a completion's final answer equals the dataset's `answer` (or `solution`) column.
 * `tito_mismatch_count`: the drift count of t1.md Eq. 17 (must be 0); `retokenization_mismatch_count`: how many loss
   tokens a decode-then-encode round trip would change (informational).
 
@@ -16,6 +17,7 @@ Paper: T1, https://huggingface.co/papers/2609.11042.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +31,7 @@ FALLBACK_CAUSES = (
     "zero_assertions",
     "inconsistent",
 )  # conventions.md C20: the first that matches wins; otherwise the cause is "count"
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 VERIFIER_STATUSES = ("ok", "infra_dropped", "verifier_error", "no_report", "parse_error")
 
 
@@ -274,3 +277,48 @@ def retokenization_mismatch_count(
                 mismatches += sum(j >= len(ref) or y != ref[j] for j, y in enumerate(run))
                 run = []
     return mismatches, loss_tokens
+
+
+def final_answer(text: str) -> str | None:
+    """The answer a completion gives: what follows the last "answer:" (any case; "####" also counts), else its last
+    number, else None. Trailing punctuation and commas inside numbers are dropped.
+
+    >>> [final_answer("3 + 4 = 7. Answer: 7."), final_answer("so it is 1,250 apples"), final_answer("no idea")]
+    ['7', '1250', None]
+    """
+    lowered = text.lower()
+    marker = max(lowered.rfind("answer:"), lowered.rfind("####"))
+    if marker >= 0:
+        answer = text[marker:].split(":", 1)[-1] if lowered[marker] == "a" else text[marker + 4 :]
+        answer = answer.strip().rstrip(".!").strip()
+        return answer.replace(",", "") if _NUMBER.fullmatch(answer) else answer or None
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def _text(completion: Any) -> str:
+    """A completion's text: a string, or the content of the last message of a conversational completion."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def exact_match_reward(completions: Sequence, answer: Sequence | None = None, solution: Sequence | None = None, **_):
+    """1.0 when the completion's final answer (`final_answer`) equals the reference in the `answer` (or `solution`)
+    column after trimming, case-folding and, for numbers, comparing values; else 0.0.
+
+    >>> exact_match_reward(["Answer: 12", "it is 12.0", "13"], answer=["12", "12", "12"])
+    [1.0, 1.0, 0.0]
+    """
+    references = answer if answer is not None else solution
+    if references is None:
+        raise ValueError("exact_match_reward needs an `answer` (or `solution`) column in the dataset")
+    return [float(_same(final_answer(_text(c)), str(ref))) for c, ref in zip(completions, references, strict=True)]
+
+
+def _same(given: str | None, reference: str) -> bool:
+    if given is None:
+        return False
+    given, reference = given.strip().casefold(), reference.strip().casefold().replace(",", "")
+    try:
+        return float(given) == float(reference)
+    except ValueError:
+        return given == reference

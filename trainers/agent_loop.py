@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import queue
 import threading
 import time
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from envs.base import Env
+from envs.base import Env, row_task
 
 # A generation backend: (contexts, max_new_tokens) -> one (sampled ids, sampling log-probs) pair per context, or one
 # (sampled ids, sampling log-probs, routes) triple when it records MoE routes: routes (len(context) + len(ids) - 1,
@@ -452,13 +451,6 @@ def to_trl(rollouts: list[Rollout]) -> dict[str, list]:
     }
 
 
-def row_task(row: dict) -> dict:
-    """The task of a dataset row: its `task` column (a JSON string or a dict), else the whole row."""
-    if "task" not in row:
-        return row
-    return json.loads(row["task"]) if isinstance(row["task"], str) else row["task"]
-
-
 def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
     """The rollouts of one generation batch of `trainer` (an `AgentGRPOTrainer`), as `Rollout` objects (their
     `routes` stay here, out of TRL's rows). The task of each prompt comes from `trainer._rows`, the batch's dataset
@@ -529,3 +521,83 @@ def evaluate(
         f"pass^{samples}": successes.min(dim=1).values.mean().item(),
         "turns": sum(len(r.turn_rewards) for r in rollouts) / len(rollouts),
     }
+
+
+def prompt_ids_like_trl(tokenizer, prompts: list) -> list[list[int]]:
+    """Prompt ids as TRL's GRPOTrainer makes them: the chat template with the generation prompt for conversational
+    prompts (message lists), the plain tokenizer for text prompts."""
+    if isinstance(prompts[0], list):
+        out = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return [list(ids) for ids in out["input_ids"]]
+    return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
+
+
+def evaluate_prompts(
+    model,
+    tokenizer,
+    rows: list[dict],
+    reward_funcs: Sequence[Callable],
+    reward_weights: Sequence[float] | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> dict[str, float]:
+    """Held-out score of a single-turn dataset: one completion per row (prompts rendered as TRL renders them), scored
+    by `reward_funcs` with TRL's call (`prompts`, `completions`, `completion_ids`, the other columns as lists).
+
+    Returns `reward` (the `reward_weights`-weighted sum, mean over rows; a function's None counts as 0),
+    `rewards/<name>` (each function's mean over the rows it scored), and `success`: the fraction of rows on which
+    every function returned a positive value (for a 0/1 exact-match reward, the accuracy)."""
+    weights = torch.tensor(list(reward_weights) if reward_weights else [1.0] * len(reward_funcs), dtype=torch.float64)
+    if len(weights) != len(reward_funcs):
+        raise ValueError(f"{len(reward_funcs)} reward functions but {len(weights)} reward_weights")
+    was_training = model.training
+    model.eval()
+    generate = hf_generate(
+        model, tokenizer, temperature=temperature, top_p=top_p, top_k=top_k, do_sample=not greedy, reuse_cache=False
+    )
+    scores = []
+    bar = tqdm(total=len(rows), desc="greedy eval" if greedy else "sampled eval", disable=not progress, leave=False)
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        prompts = [r["prompt"] for r in chunk]
+        completion_ids = []
+        for ids, _ in generate(prompt_ids_like_trl(tokenizer, prompts), max_new_tokens):
+            completion_ids.append(ids[: ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [
+            [{"role": "assistant", "content": t}] if isinstance(p, list) else t
+            for p, t in zip(prompts, texts, strict=True)
+        ]
+        columns = {k: [r[k] for r in chunk] for k in chunk[0] if k not in ("prompt", "completion", "completion_ids")}
+        noop = lambda *args, **kwargs: None  # noqa: E731  (TRL's log_extra / log_metric, not recorded here)
+        per_func = [
+            func(
+                prompts=prompts,
+                completions=completions,
+                completion_ids=completion_ids,
+                trainer_state=None,
+                log_extra=noop,
+                log_metric=noop,
+                **columns,
+            )
+            for func in reward_funcs
+        ]
+        scores.append(torch.tensor([[float("nan") if v is None else float(v) for v in f] for f in per_func]).T)
+        bar.update(len(chunk))
+    bar.close()
+    model.train(was_training)
+    scores = torch.cat(scores).to(torch.float64)  # (N, F)
+    out = {
+        "success": (scores > 0).all(dim=1).double().mean().item(),
+        "reward": (scores.nan_to_num(0.0) * weights).sum(dim=1).mean().item(),
+    }
+    for i, func in enumerate(reward_funcs):
+        column = scores[:, i]
+        name = getattr(func, "__name__", f"reward_{i}")
+        out[f"rewards/{name}"] = column[~column.isnan()].mean().item() if (~column.isnan()).any() else float("nan")
+    return out

@@ -6,31 +6,58 @@ import json
 import math
 from pathlib import Path
 
-#: (log key, panel title) of the curves `plot_curves` draws when they were logged
+#: (log key, panel title) of the curves `plot_curves` draws when they were logged: success and the curves that show a
+#: collapse (completion length, turns, truncation; trainers/alarm.py watches the same signals)
 CURVES = [
     ("env/success", "training success (sampled)"),
     ("reward", "mean reward"),
+    ("completions/mean_length", "completion length (tokens)"),
+    ("env/turns", "turns per episode"),
+    ("env/truncated", "truncated fraction"),
     ("entropy", "token entropy"),
-    ("loss", "loss"),
 ]
 
 
-def plot_curves(log_history: list[dict], path: str | Path, title: str = "") -> Path | None:
-    """One panel per logged curve of `CURVES`, against the optimizer step; returns the PNG path (None if nothing)."""
+def plot_curves(
+    log_history: list[dict],
+    path: str | Path,
+    title: str = "",
+    rollouts_per_step: float | None = None,
+    held_out: dict[str, float] | None = None,
+) -> Path | None:
+    """One panel per logged curve of `CURVES`, against rollouts trained on (`rollouts_per_step` x step; the optimizer
+    step when it is None); returns the PNG path (None if nothing was logged).
+
+    The reward panel is left out when it repeats the success curve (a binary reward). `held_out` ({"before": x,
+    "after": y}, held-out sampled success, or reward for a dataset) is drawn on the success panel (the reward panel
+    without one) at the first and last x."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(key, name) for key, name in CURVES if any(key in row for row in log_history)]
+    def series(key: str) -> list[tuple[float, float]]:
+        rows = [row for row in log_history if key in row and "step" in row and not math.isnan(row[key])]
+        return [(row["step"] * (rollouts_per_step or 1), row[key]) for row in rows]
+
+    panels = [(key, name) for key, name in CURVES if series(key)]
+    if ("reward", "mean reward") in panels and series("reward") == series("env/success"):
+        panels.remove(("reward", "mean reward"))
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
+    marked = "env/success" if any(key == "env/success" for key, _ in panels) else "reward"
+    last_x = max(x for key, _ in panels for x, _ in series(key))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False)
     for ax, (key, name) in zip(axes[0], panels, strict=True):
-        points = [(row["step"], row[key]) for row in log_history if key in row and not math.isnan(row[key])]
-        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
+        points = series(key)
+        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, label="training")
+        if key == marked and held_out:
+            xs = {"before": 0, "after": last_x}
+            for when, value in held_out.items():
+                ax.plot([xs[when]], [value], "o", ms=6, label=f"held-out {when}: {value:.2f}")
+            ax.legend(fontsize=7)
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel("optimizer step")
+        ax.set_xlabel("rollouts" if rollouts_per_step else "optimizer step")
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title, fontsize=11)

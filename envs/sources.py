@@ -1,0 +1,179 @@
+"""Where a run's tasks and environments come from: a built-in name, an import path, a dataset, or both.
+
+`load_environment(spec, kwargs, difficulty)` resolves the `environment:` field of a config:
+
+* a built-in name (`shop`, `terminal`, `search`): the class of `envs.ENVIRONMENTS`, built with `difficulty`;
+* an import path, `package.module:Class` or `package.module.Class` (the working directory is importable, as for
+  `trl grpo --reward_funcs`), built with `environment_kwargs`:
+  - a subclass of `envs.base.Env`, used as it is;
+  - any other class with `reset` and `step` (the protocol of `envs/base.py`), wrapped in `ProtocolEnv`;
+  - a TRL-style tool class (`reset` plus public tool methods, no `step`), run through `ToolEnv`.
+
+`load_splits(...)` reads a dataset with `datasets` in TRL's conventions (`dataset_name`, `dataset_config`,
+`dataset_train_split`, `dataset_test_split`): a local file (.json, .jsonl, .csv, .parquet), a folder written by
+`save_to_disk`, a folder of data files, or a Hub id. Without a test split, a seeded slice of the train split is held
+out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
+from envs import ENVIRONMENTS
+from envs.base import Env, ProtocolEnv, ToolEnv, tool_methods
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass
+class EnvironmentSource:
+    """A resolved `environment:` field. `factory(row)` builds the environment of one dataset row (what the trainer's
+    `env_factory` takes); `make_tasks(split, n, seed, difficulty)` generates tasks, or is None when the environment
+    has no generator and its tasks must come from a dataset."""
+
+    name: str
+    factory: Callable[[dict], Env]
+    make_tasks: Callable[..., list[dict]] | None
+    builtin: bool
+
+
+def import_object(path: str, field_name: str):
+    """`package.module:attr` or `package.module.attr`, imported with the working directory on `sys.path`."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise SystemExit(f"error: {field_name} {path!r} is not an import path (package.module:Name)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise SystemExit(f"error: {field_name} {path!r}: cannot import module {module_name!r} ({e})") from e
+    if not hasattr(module, attr):
+        raise SystemExit(f"error: {field_name} {path!r}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def _accepts(cls: type, name: str) -> bool:
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def load_environment(spec: str, kwargs: dict | None = None, difficulty: int = 0) -> EnvironmentSource:
+    """Resolve an `environment:` field (see the module docstring). Errors name the field and say what is accepted."""
+    kwargs = dict(kwargs or {})
+    if spec in ENVIRONMENTS:
+        cls = ENVIRONMENTS[spec]
+        return EnvironmentSource(spec, lambda row: cls(difficulty=difficulty, **kwargs), cls.make_tasks, True)
+    if "." not in spec and ":" not in spec:
+        raise SystemExit(
+            f"error: environment {spec!r} is unknown; choose one of {sorted(ENVIRONMENTS)} or give an import path "
+            "(package.module:Class)"
+        )
+    obj = import_object(spec, "environment")
+    if not inspect.isclass(obj):
+        raise SystemExit(f"error: environment {spec!r} is a {type(obj).__name__}, not a class")
+    if issubclass(obj, Env):
+        if _accepts(obj, "difficulty"):
+            kwargs.setdefault("difficulty", difficulty)
+        own_tasks = obj.make_tasks.__func__ is not Env.make_tasks.__func__
+        return EnvironmentSource(spec, lambda row: obj(**kwargs), obj.make_tasks if own_tasks else None, False)
+    if callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
+        make_tasks = getattr(obj, "make_tasks", None)
+        return EnvironmentSource(spec, lambda row: ProtocolEnv(obj(**kwargs)), make_tasks, False)
+    if callable(getattr(obj, "reset", None)) and tool_methods(obj):
+        return EnvironmentSource(spec, lambda row: ToolEnv(obj, env_kwargs=kwargs), None, False)
+    raise SystemExit(
+        f"error: environment {spec!r} is neither an envs.base.Env subclass, nor a class with reset(task) and "
+        "step(action), nor a TRL-style tool class (reset() plus public tool methods)"
+    )
+
+
+def check_environment(source: EnvironmentSource, task: dict) -> None:
+    """Play one throwaway step on a fresh environment, so a wrong protocol fails at start-up and not mid-training."""
+    env = source.factory(task)
+    first = env.reset(task)
+    if not isinstance(first, str):
+        raise SystemExit(f"error: environment {source.name!r}: reset(task) returned {type(first).__name__}, not str")
+    out = env.step("")
+    if not (isinstance(out, tuple) and len(out) == 4):
+        raise SystemExit(
+            f"error: environment {source.name!r}: step(action) must return (observation, reward, done, info), got "
+            f"{out!r:.200}"
+        )
+    observation, reward, done, info = out
+    problems = [
+        f"{what} is {type(value).__name__}, expected {kind}"
+        for what, value, ok, kind in [
+            ("observation", observation, isinstance(observation, str), "str"),
+            ("reward", reward, isinstance(reward, int | float) and not isinstance(reward, bool), "a number"),
+            ("done", done, isinstance(done, bool), "bool"),
+            ("info", info, isinstance(info, dict), "dict"),
+        ]
+        if not ok
+    ]
+    if problems:
+        raise SystemExit(f"error: environment {source.name!r}: step(action) returned: {'; '.join(problems)}")
+
+
+def _read(name: str, config: str | None) -> Dataset | DatasetDict:
+    if os.path.isfile(name):
+        ext = os.path.splitext(name)[1].lower()
+        if ext not in FILE_BUILDERS:
+            raise SystemExit(
+                f"error: dataset_name {name!r}: files ending in {ext or '(nothing)'} cannot be read; use one of "
+                f"{sorted(FILE_BUILDERS)}"
+            )
+        return load_dataset(FILE_BUILDERS[ext], data_files=name)
+    if os.path.isdir(name):
+        saved = any(os.path.exists(os.path.join(name, f)) for f in ("dataset_info.json", "dataset_dict.json"))
+        return load_from_disk(name) if saved else load_dataset(name, name=config)
+    try:
+        return load_dataset(name, name=config)
+    except Exception as e:  # offline, unknown id, private repo: the datasets error says which
+        raise SystemExit(
+            f"error: dataset_name {name!r} is not a local file or folder, and loading it from the Hub failed: {e}"
+        ) from e
+
+
+def load_splits(
+    name: str,
+    config: str | None = None,
+    train_split: str = "train",
+    test_split: str = "test",
+    num_test: int = 200,
+    seed: int = 0,
+) -> tuple[Dataset, Dataset, str]:
+    """(train, test, where the test rows came from). Without `test_split` in the data, `num_test` rows (at most a
+    fifth) of the train split are held out, chosen by `seed`."""
+    data = _read(name, config)
+    if isinstance(data, Dataset):
+        data = DatasetDict({train_split: data})
+    if train_split not in data:
+        raise SystemExit(
+            f"error: dataset_train_split {train_split!r} is not in {name!r}; its splits are {sorted(data)}"
+        )
+    train = data[train_split]
+    if len(train) == 0:
+        raise SystemExit(f"error: split {train_split!r} of {name!r} has no rows")
+    if test_split in data and test_split != train_split:
+        return train, data[test_split], f"split {test_split!r}"
+    n = min(num_test, len(train) // 5)
+    if n == 0:
+        raise SystemExit(
+            f"error: {name!r} has no {test_split!r} split and {len(train)} rows are too few to hold out a fifth; "
+            "add a test split or more rows"
+        )
+    parts = train.train_test_split(test_size=n, seed=seed)
+    return parts["train"], parts["test"], f"{n} rows held out of {train_split!r} (no {test_split!r} split)"
