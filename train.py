@@ -33,7 +33,7 @@ from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 from envs import ENVIRONMENTS  # noqa: E402
 from envs.base import row_task  # noqa: E402
 from envs.sources import EnvironmentSource, check_environment, load_environment, load_splits  # noqa: E402
-from envs.tiny import is_tiny, tiny_model  # noqa: E402
+from envs.tiny import is_tiny, tiny_dataset_model, tiny_model  # noqa: E402
 from rewards.loading import REWARD_NAMES, load_reward_funcs  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 from trainers.agent_loop import LoopSettings, evaluate, evaluate_prompts  # noqa: E402
@@ -236,14 +236,17 @@ def parse(argv: list[str] | None = None):
     return run, config, model_args, trainer_cls
 
 
-def resolve_model(name: str, run: RunArguments) -> str:
+def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
     if not is_tiny(name):
         return name
+    if name == "tiny" and sources.environment is None:  # a tiny default for the dataset, warm-started on its answers
+        sizes = {"sft_steps": run.tiny_sft_steps, "num_demos": run.tiny_num_demos}
+        return tiny_dataset_model(list(sources.train), seed=run.tiny_seed, **{k: v for k, v in sizes.items() if v is not None})
     if ":" not in name:
         raise SystemExit(
-            f"error: model_name_or_path {name!r}: the tiny default is built for a built-in environment "
-            f"(tiny:{'|tiny:'.join(sorted(ENVIRONMENTS))}); for a dataset or your own environment, name a model "
-            "folder or Hub id"
+            f"error: model_name_or_path {name!r}: `tiny` alone is the tiny default of a single-turn dataset; for an "
+            f"environment it is tiny:<env> (tiny:{'|tiny:'.join(sorted(ENVIRONMENTS))}), and for your own "
+            "environment name a model folder or Hub id"
         )
     sizes = {"sft_steps": run.tiny_sft_steps, "num_demos": run.tiny_num_demos}
     sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     sources = load_sources(run, config)  # validates environment, dataset and rewards before any model is loaded
     print(f"training on {sources.described}")
     name = model_args.model_name_or_path
-    model_args.model_name_or_path = resolve_model(name, run)
+    model_args.model_name_or_path = resolve_model(name, run, sources)
     quantization = get_quantization_config(model_args)
     config.model_init_kwargs = {
         "dtype": model_args.dtype or "float32",

@@ -141,7 +141,9 @@ def make_row(spec: str, seeds: list[int], out: Path, overrides: list[str], reuse
     runs = [load(spec, seed, out, overrides, reuse) for seed in seeds]
     fields = settings(config, overrides + own)
     trainer, run = runs[0].summary["trainer"], runs[0].summary["run"]
-    kind = method(trainer, fields), run["environment"], run["difficulty"], aggregation(trainer, fields)
+    # a single-turn dataset run has no environment: its row is labelled by the dataset file
+    where = run["environment"] or f"dataset {Path(run['dataset_name']).name}"
+    kind = method(trainer, fields), where, run["difficulty"], aggregation(trainer, fields)
     return Row(name, *kind, runs)
 
 
@@ -155,9 +157,11 @@ def grouped(rows: list[Row]) -> dict[tuple[str, int], list[Row]]:
 
 
 def curve(summary: dict) -> list[tuple[float, float]]:
-    """(rollouts so far, training success) at every logged step."""
+    """(rollouts so far, training success) at every logged step; for a single-turn dataset run (no `env/success`),
+    the mean training reward (for a 0/1 reward such as exact match, the accuracy)."""
     per_step = summary["rollouts_per_step"]
-    return [(row["step"] * per_step, row["env/success"]) for row in summary["log_history"] if "env/success" in row]
+    key = "env/success" if any("env/success" in row for row in summary["log_history"]) else "reward"
+    return [(row["step"] * per_step, row[key]) for row in summary["log_history"] if key in row]
 
 
 def held_out(summary: dict, when: str, mode: str = "sampled") -> float | None:
@@ -350,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     groups = grouped(rows)
     plot(groups, args.out / "curves.png")
     for (environment, difficulty), group in groups.items():
-        plot({(environment, difficulty): group}, args.out / f"curves_{environment}_d{difficulty}.png")
+        name = environment.replace(" ", "_")
+        plot({(environment, difficulty): group}, args.out / f"curves_{name}_d{difficulty}.png")
     options = json.loads(json.dumps(vars(args), default=str))  # paths as text
     write_result(args.out, "learning", options, measured(rows, args.threshold, at), text)
     print(text)

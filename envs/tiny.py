@@ -196,8 +196,9 @@ def build_model(spec: TinySpec, tokenizer):
     return model
 
 
-def sft(model, tokenizer, demos: list[list[dict]], spec: TinySpec, output_dir: str):
-    """Warm start with TRL's SFTTrainer on assistant turns only."""
+def sft(model, tokenizer, demos: list, spec: TinySpec, output_dir: str):
+    """Warm start with TRL's SFTTrainer on assistant turns only. `demos` are chat transcripts (message lists), or
+    dataset rows (`{"messages": ...}` or `{"prompt": text, "completion": text}`, the loss on the completion only)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -208,7 +209,7 @@ def sft(model, tokenizer, demos: list[list[dict]], spec: TinySpec, output_dir: s
         learning_rate=spec.sft_lr,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=10,
-        assistant_only_loss=True,
+        assistant_only_loss=not (demos and isinstance(demos[0], dict) and "completion" in demos[0]),
         max_length=spec.max_positions,
         logging_steps=50,
         save_strategy="no",
@@ -222,20 +223,21 @@ def sft(model, tokenizer, demos: list[list[dict]], spec: TinySpec, output_dir: s
     trainer = SFTTrainer(
         model=model,
         args=args,
-        train_dataset=Dataset.from_list([{"messages": d} for d in demos]),
+        train_dataset=Dataset.from_list([d if isinstance(d, dict) else {"messages": d} for d in demos]),
         processing_class=tokenizer,
     )
     trainer.train()
     return trainer.model
 
 
-def build_and_save(spec: TinySpec, tokenizer, demos: list[list[dict]], folder: Path) -> None:
-    """Build the model of `spec`, SFT it on `demos` and move the saved folder into place atomically (a crash never
+def build_and_save(spec: TinySpec, tokenizer, demos: list, folder: Path) -> None:
+    """Build the model of `spec`, SFT it on `demos` (none: the random initialisation is saved) and move the saved folder into place atomically (a crash never
     leaves a half-written cache entry; a concurrent builder that finished first wins)."""
     model = build_model(spec, tokenizer)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        model = sft(model, tokenizer, demos, spec, output_dir=os.path.join(tmp, "sft"))
+        if demos:
+            model = sft(model, tokenizer, demos, spec, output_dir=os.path.join(tmp, "sft"))
         staging = Path(tmp) / "model"
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -263,6 +265,54 @@ def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> st
     demos = demonstrations(env_cls, spec.num_demos, spec.seed, spec.difficulty, spec.noise)
     # the role words are repeated so that each becomes one token (short sequences are fast sequences)
     texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
+    tokenizer = build_tokenizer(texts, spec.vocab_size)
+    build_and_save(spec, tokenizer, demos, folder)
+    return str(folder)
+
+
+#: dataset columns a tiny default for a dataset is warm-started on, the first present wins
+REFERENCE_COLUMNS = ("completion", "answer", "solution")
+#: bump when `tiny_dataset_model`'s recipe changes: it is part of the cache key, with the settings and the rows
+DATASET_RECIPE_VERSION = 1
+
+
+def _text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+
+
+def tiny_dataset_model(rows: list[dict], seed: int = 0, **overrides) -> str:
+    """`model_name_or_path: tiny` with a dataset: a tokenizer trained on the rows' text, a tiny Qwen2, warm-started by
+    SFT on the rows' reference (`REFERENCE_COLUMNS`; without one, or with `sft_steps=0`, left at its random
+    initialisation), cached like
+    `tiny_model` under a key of the settings and the rows. Pass training rows only: what SFT sees is not held out.
+
+    Like the environments' demonstrations, the references are noisy: with probability `noise` (0.3) a row is trained
+    on another row's answer. A conversational prompt is trained as a chat (assistant turn only); a text prompt as prompt and completion (an end
+    of sequence appended), matching how TRL renders each kind for generation.
+    """
+    overrides.setdefault("sft_steps", 200)
+    spec = TinySpec(env="dataset", seed=seed, **overrides)
+    column = next((c for c in REFERENCE_COLUMNS if c in rows[0]), None)
+    rows = rows[: spec.num_demos]
+    data = {"recipe": DATASET_RECIPE_VERSION, "rows": [[r["prompt"], r.get(column)] for r in rows]}
+    data_key = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = cache_root() / "tiny" / f"tiny-dataset-{spec.key()}-{data_key}"
+    if (folder / "model.safetensors").exists():
+        return str(folder)
+    demos = []
+    if column is not None and spec.sft_steps > 0:
+        rng = random.Random(spec.seed)
+        references = [str(r[column]) for r in rows]
+        for r in rows:
+            # as the environments' noisy experts: with probability `noise` another row's answer, a plausible mistake
+            # that SFT imitates in its sampling distribution and RL can remove
+            answer = rng.choice(references) if rng.random() < spec.noise else str(r[column])
+            if isinstance(r["prompt"], str):
+                demos.append({"prompt": r["prompt"], "completion": answer})
+            else:
+                demos.append({"messages": [*r["prompt"], {"role": "assistant", "content": answer}]})
+    texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200
+    texts += [_text(r["prompt"]) for r in rows] + ([str(r[column]) for r in rows] if column else [])
     tokenizer = build_tokenizer(texts, spec.vocab_size)
     build_and_save(spec, tokenizer, demos, folder)
     return str(folder)

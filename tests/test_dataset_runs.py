@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +177,65 @@ def test_evaluate_prompts_scores_by_hand(tiny_model_folder):
             new = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         expected.append(tokenizer.decode(new[0, ids.shape[1] :], skip_special_tokens=True))
     assert seen == expected
+
+
+def test_tiny_default_for_a_dataset_is_cached_and_warm_started_on_its_answers(tmp_path, monkeypatch):
+    import envs.tiny as tiny
+
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
+    chats = [{"prompt": [{"role": "user", "content": f"say {w}"}], "answer": w} for w in WORDS * 2]
+    texts = [{"prompt": f"say {w}:", "completion": w} for w in WORDS * 2]
+    captured = {}
+    real_build = tiny.build_and_save
+
+    def spy(spec, tokenizer, demos, folder):
+        captured[folder.name] = demos
+        real_build(spec, tokenizer, demos, folder)
+
+    monkeypatch.setattr(tiny, "build_and_save", spy)
+    small = dict(sft_steps=2, hidden_size=32, intermediate_size=64, sft_batch_size=4)
+    clean = tiny.tiny_dataset_model(chats, noise=0.0, **small)
+    demos = captured[Path(clean).name]
+    # noise 0: each row trained on its own answer, as a chat ending in the assistant's answer
+    assert [d["messages"] for d in demos] == [
+        [*r["prompt"], {"role": "assistant", "content": r["answer"]}] for r in chats
+    ]
+    noisy = tiny.tiny_dataset_model(chats, noise=1.0, **small)  # every answer swapped for a row's answer
+    assert noisy != clean and {d["messages"][-1]["content"] for d in captured[Path(noisy).name]} <= set(WORDS)
+    plain = tiny.tiny_dataset_model(texts, noise=0.0, **small)  # text prompts: prompt and completion
+    assert captured[Path(plain).name] == [{"prompt": r["prompt"], "completion": r["completion"]} for r in texts]
+    # cached: the same rows and settings come back from the cache without a build
+    monkeypatch.setattr(tiny, "build_and_save", lambda *a: pytest.fail("rebuilt a cached model"))
+    assert tiny.tiny_dataset_model(chats, noise=0.0, **small) == clean
+    tokenizer = AutoTokenizer.from_pretrained(clean)
+    assert tokenizer.apply_chat_template(chats[0]["prompt"], add_generation_prompt=True, tokenize=False).endswith(
+        "<|im_start|>assistant\n"
+    )
+    assert AutoModelForCausalLM.from_pretrained(clean).config.hidden_size == 32
+
+
+def test_train_with_the_tiny_default_of_a_dataset(workdir, monkeypatch):
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(workdir / "cache"))
+    argv = ["--dataset_name", "words.jsonl", "--reward_funcs", "exact_match_reward", "--model_name_or_path", "tiny"]
+    argv += ["--tiny_sft_steps", "2", "--max_completion_length", "4", "--num_eval_tasks", "4"]
+    argv += ["--output_dir", str(workdir / "run"), *RUN]
+    summary = train.main(argv)
+    assert summary["model"] == "tiny" and list((workdir / "cache" / "tiny").glob("tiny-dataset-*"))
+    assert set(summary["after"]["greedy"]) == {"success", "reward", "rewards/exact_match_reward"}
+    with pytest.raises(SystemExit, match="`tiny` alone is the tiny default of a single-turn dataset"):
+        train.main(
+            [
+                "--environment",
+                "my_code:Repeat",
+                "--dataset_name",
+                "words.jsonl",
+                "--model_name_or_path",
+                "tiny",
+                "--output_dir",
+                str(workdir / "run2"),
+                "--use_cpu",
+                "true",
+                "--bf16",
+                "false",
+            ]
+        )

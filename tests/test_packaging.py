@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEV = ("pytest", "ruff")
+DEV = ("nbclient", "nbformat", "ipykernel", "pytest", "ruff")  # the notebooks and the tests; not the library
 
 
 def pins() -> list[str]:
