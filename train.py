@@ -50,8 +50,8 @@ class RunArguments:
         metadata={
             "help": f"Where episodes run: a built-in environment ({', '.join(sorted(ENVIRONMENTS))}) or an import "
             "path (package.module:Class) to an envs.base.Env subclass, any class with reset(task)/step(action), or a "
-            "TRL-style tool class. Default: shop; with dataset_name and no environment, single-turn GRPO on the "
-            "dataset's prompts."
+            "TRL-style tool class; `none` for single-turn GRPO on a dataset's prompts. Default: shop, or none "
+            "when dataset_name is set."
         },
     )
     environment_kwargs: dict | str | None = field(
@@ -122,7 +122,9 @@ def env_rows(source: EnvironmentSource, tasks: list[dict]) -> Dataset:
 
 def load_sources(run: RunArguments, config) -> Sources:
     """Resolve environment, dataset and rewards; every mistake stops here, before a model is loaded."""
-    if run.environment is None and run.dataset_name is None:
+    if isinstance(run.environment, str) and run.environment.lower() == "none":
+        run.environment = None  # single-turn training on the dataset's prompts
+    elif run.environment is None and run.dataset_name is None:
         run.environment = "shop"
     kwargs = json.loads(run.environment_kwargs) if isinstance(run.environment_kwargs, str) else run.environment_kwargs
     source = load_environment(run.environment, kwargs, run.difficulty) if run.environment else None
@@ -230,7 +232,7 @@ def parse(argv: list[str] | None = None):
     if wants_help:
         parser.parse_args(["--help"])
     run, config, model_args = parser.parse_args_and_config(argv)
-    if run.environment is not None:  # resolves the name or import path; nothing is built yet
+    if run.environment is not None and run.environment.lower() != "none":  # resolves the name or path; builds nothing
         load_environment(run.environment, {}, run.difficulty)
     check_report_to(config)
     return run, config, model_args, trainer_cls
@@ -241,7 +243,8 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
         return name
     if name == "tiny" and sources.environment is None:  # a tiny default for the dataset, warm-started on its answers
         sizes = {"sft_steps": run.tiny_sft_steps, "num_demos": run.tiny_num_demos}
-        return tiny_dataset_model(list(sources.train), seed=run.tiny_seed, **{k: v for k, v in sizes.items() if v is not None})
+        sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
+        return tiny_dataset_model(list(sources.train), seed=run.tiny_seed, **sizes)
     if ":" not in name:
         raise SystemExit(
             f"error: model_name_or_path {name!r}: `tiny` alone is the tiny default of a single-turn dataset; for an "

@@ -2,8 +2,9 @@
 
     python data/make_arith.py            # 2400 problems, seed 0 (the shipped file)
 
-Each row: `prompt` (one user message), `answer` (the number, as text), `op` ("add", "sub", "max" or "min": a sum,
-a difference, the larger or the smaller of two counts). Problems are unique;
+Each row: `prompt` (one user message), `answer` (the number, as text), `op`: "recall" (read back one of two counts,
+a copy the tiny default learns), "add", "sub", "max" or "min" (a sum, a difference, the larger or the smaller of two
+counts: lookups and comparisons it learns slowly). Problems are unique;
 a run holds out its test rows from this one file (`num_eval_tasks`, seeded), so train and test never share a problem.
 Operands are 1..max_operand (default 9: sums 2..18, differences 0..8), small enough for the tiny default to learn
 some of them.
@@ -22,6 +23,7 @@ ADD = [
     "{n} has {a} {t} and gets {b} more. How many {t} does {n} have now?",
     "{n} found {a} {t} on Monday and {b} {t} on Tuesday. How many {t} did {n} find?",
 ]
+RECALL = "{n} has {a} {t} and {m} has {b} {t}. How many {t} does {n} have?"
 COMPARE = {
     "max": "{n} has {a} {t} and {m} has {b} {t}. What is the larger number of {t}?",
     "min": "{n} has {a} {t} and {m} has {b} {t}. What is the smaller number of {t}?",
@@ -36,19 +38,22 @@ def problems(n: int, seed: int, max_operand: int = 9) -> list[dict]:
     rng = random.Random(seed)
     rows, seen = [], set()
     while len(rows) < n:
-        op = rng.choice(["add", "sub", "max", "min"])
+        op = rng.choice(["recall", "add", "sub", "max", "min"])
         a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
         if op == "sub":
             a, b = max(a, b), min(a, b)
         if op in COMPARE and a == b:
             continue
         name, other = rng.sample(NAMES, 2)
-        template = COMPARE[op] if op in COMPARE else rng.choice(ADD if op == "add" else SUB)
+        if op == "recall":
+            template = RECALL
+        else:
+            template = COMPARE[op] if op in COMPARE else rng.choice(ADD if op == "add" else SUB)
         text = template.format(n=name, m=other, t=rng.choice(THINGS), a=a, b=b)
         if text in seen:
             continue
         seen.add(text)
-        answer = {"add": a + b, "sub": a - b, "max": max(a, b), "min": min(a, b)}[op]
+        answer = {"recall": a, "add": a + b, "sub": a - b, "max": max(a, b), "min": min(a, b)}[op]
         rows.append({"prompt": [{"role": "user", "content": text}], "answer": str(answer), "op": op})
     return rows
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -102,11 +103,21 @@ def load_environment(spec: str, kwargs: dict | None = None, difficulty: int = 0)
 
 def check_environment(source: EnvironmentSource, task: dict) -> None:
     """Play one throwaway step on a fresh environment, so a wrong protocol fails at start-up and not mid-training."""
-    env = source.factory(task)
-    first = env.reset(task)
+    try:
+        env = source.factory(task)
+        first = env.reset(task)
+    except Exception as e:
+        raise SystemExit(
+            f"error: environment {source.name!r} cannot start the first task ({type(e).__name__}: {e}); the task was "
+            f"{json.dumps(task, default=str)[:300]}. A dataset of prompts for single-turn training needs no "
+            "environment (environment: none)"
+        ) from e
     if not isinstance(first, str):
         raise SystemExit(f"error: environment {source.name!r}: reset(task) returned {type(first).__name__}, not str")
-    out = env.step("")
+    try:
+        out = env.step("")
+    except Exception as e:
+        raise SystemExit(f"error: environment {source.name!r}: step('') raised {type(e).__name__}: {e}") from e
     if not (isinstance(out, tuple) and len(out) == 4):
         raise SystemExit(
             f"error: environment {source.name!r}: step(action) must return (observation, reward, done, info), got "

@@ -231,8 +231,9 @@ def sft(model, tokenizer, demos: list, spec: TinySpec, output_dir: str):
 
 
 def build_and_save(spec: TinySpec, tokenizer, demos: list, folder: Path) -> None:
-    """Build the model of `spec`, SFT it on `demos` (none: the random initialisation is saved) and move the saved folder into place atomically (a crash never
-    leaves a half-written cache entry; a concurrent builder that finished first wins)."""
+    """Build the model of `spec`, SFT it on `demos` (none: the random initialisation is saved) and move the saved
+    folder into place atomically (a crash never leaves a half-written cache entry; a concurrent builder that finished
+    first wins)."""
     model = build_model(spec, tokenizer)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
@@ -283,12 +284,12 @@ def _text(prompt) -> str:
 def tiny_dataset_model(rows: list[dict], seed: int = 0, **overrides) -> str:
     """`model_name_or_path: tiny` with a dataset: a tokenizer trained on the rows' text, a tiny Qwen2, warm-started by
     SFT on the rows' reference (`REFERENCE_COLUMNS`; without one, or with `sft_steps=0`, left at its random
-    initialisation), cached like
-    `tiny_model` under a key of the settings and the rows. Pass training rows only: what SFT sees is not held out.
+    initialisation), cached like `tiny_model` under a key of the settings and the rows. Pass training rows only: what
+    SFT sees is not held out.
 
     Like the environments' demonstrations, the references are noisy: with probability `noise` (0.3) a row is trained
-    on another row's answer. A conversational prompt is trained as a chat (assistant turn only); a text prompt as prompt and completion (an end
-    of sequence appended), matching how TRL renders each kind for generation.
+    on another row's answer. A conversational prompt is trained as a chat (assistant turn only); a text prompt as
+    prompt and completion (an end of sequence appended), matching how TRL renders each kind for generation.
     """
     overrides.setdefault("sft_steps", 200)
     spec = TinySpec(env="dataset", seed=seed, **overrides)

@@ -239,3 +239,38 @@ def test_train_with_the_tiny_default_of_a_dataset(workdir, monkeypatch):
                 "false",
             ]
         )
+
+
+def test_quickstart_config_with_a_dataset(workdir, tiny_model_folder):
+    """The issue's command: the quickstart config (environment: shop) plus a dataset of prompts. The shop cannot start
+    an arithmetic row, and the error says so at start-up; `--environment none` trains the prompts single-turn."""
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+    argv = ["--config", config, "--dataset_name", "words.jsonl", "--reward_funcs", "my_code.says_word"]
+    argv += ["--model_name_or_path", tiny_model_folder, "--output_dir", str(workdir / "run")]
+    with pytest.raises(SystemExit, match="environment 'shop' cannot start the first task .*environment: none"):
+        train.main(argv)
+    small = ["--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "2"]
+    small += ["--max_completion_length", "4", "--num_eval_tasks", "4", "--eval_batch_size", "4"]
+    summary = train.main([*argv, "--environment", "none", *small])
+    assert summary["run"]["environment"] is None and "rewards/says_word" in summary["after"]["sampled"]
+
+
+def test_lora_run_reports_its_adapter_and_tensorboard_logs(workdir, tiny_model_folder, capsys):
+    out = workdir / "run"
+    argv = ["--dataset_name", "words.jsonl", "--reward_funcs", "exact_match_reward", "--model_name_or_path"]
+    argv += [tiny_model_folder, "--output_dir", str(out), "--max_completion_length", "4", "--num_eval_tasks", "4"]
+    argv += ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
+    argv += [*RUN, "--report_to", "tensorboard", "--skip_eval"]  # the last --report_to given wins
+    summary = train.main(argv)
+    p = summary["parameters"]
+    # LoRA on q_proj and v_proj of 2 layers, r = 4: A (r x in) + B (out x r) per module; hidden 32, kv heads 2 x 8
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(tiny_model_folder)
+    head = c.hidden_size // c.num_attention_heads
+    q = 4 * c.hidden_size + c.hidden_size * 4
+    v = 4 * c.hidden_size + (c.num_key_value_heads * head) * 4
+    assert p["trainable"] == c.num_hidden_layers * (q + v) and p["total"] > p["trainable"]
+    assert summary["adapter"]["use_peft"] is True and summary["adapter"]["lora_r"] == 4
+    assert f"trainable parameters: {p['trainable']:,} of {p['total']:,}" in capsys.readouterr().out
+    assert list(out.rglob("events.out.tfevents*"))  # the tracker wrote its log
