@@ -150,6 +150,10 @@ def load_sources(run: RunArguments, config) -> Sources:
                 "dataset_name (one task per row: a `task` column, or the row itself)"
             )
         n_train = 2000 if run.num_train_tasks is None else run.num_train_tasks
+        if n_train < 1 or run.num_eval_tasks < 1:
+            raise SystemExit(
+                f"error: num_train_tasks ({n_train}) and num_eval_tasks ({run.num_eval_tasks}) must both be >= 1"
+            )
         train_tasks = source.make_tasks("train", n_train, seed=run.task_seed, difficulty=run.difficulty)
         eval_tasks = source.make_tasks("eval", run.num_eval_tasks, seed=run.task_seed, difficulty=run.difficulty)
         check_environment(source, train_tasks[0])
@@ -163,6 +167,8 @@ def load_sources(run: RunArguments, config) -> Sources:
         run.task_seed,
     )
     if run.num_train_tasks is not None:
+        if run.num_train_tasks < 1:
+            raise SystemExit(f"error: num_train_tasks must be >= 1, got {run.num_train_tasks}")
         train = train.select(range(min(run.num_train_tasks, len(train))))
     test = test.select(range(min(run.num_eval_tasks, len(test))))
     described = f"{run.dataset_name}: {len(train)} training rows, {len(test)} held-out rows ({where})"

@@ -274,3 +274,16 @@ def test_lora_run_reports_its_adapter_and_tensorboard_logs(workdir, tiny_model_f
     assert summary["adapter"]["use_peft"] is True and summary["adapter"]["lora_r"] == 4
     assert f"trainable parameters: {p['trainable']:,} of {p['total']:,}" in capsys.readouterr().out
     assert list(out.rglob("events.out.tfevents*"))  # the tracker wrote its log
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--num_train_tasks", "0"],
+        ["--num_eval_tasks", "0"],
+        ["--dataset_name", "words.jsonl", "--reward_funcs", "exact_match_reward", "--num_train_tasks", "0"],
+    ],
+)
+def test_no_training_on_nothing(workdir, argv):
+    with pytest.raises(SystemExit, match="must .*>= 1"):
+        train.main([*argv, "--output_dir", str(workdir / "run"), "--use_cpu", "true", "--bf16", "false"])
