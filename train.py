@@ -17,8 +17,10 @@ Order: parse -> environment, dataset and rewards (checked) -> model (+ LoRA/QLoR
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -40,6 +42,7 @@ from trainers.agent_loop import LoopSettings, evaluate, evaluate_prompts  # noqa
 from trainers.reporting import plot_curves, write_summary  # noqa: E402
 
 HELD_OUT = ("before", "after")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -188,6 +191,48 @@ def load_sources(run: RunArguments, config) -> Sources:
     return Sources(source, train, [row_task(row) for row in test], reward_funcs, described)
 
 
+def check_run(run: RunArguments, config, model_args) -> None:
+    """Fields whose bad values would otherwise fail late (after a model load, or at the final save), crash without
+    naming themselves, or train on nothing: each stops here with a message naming the field."""
+    problems = [
+        f"{name} must be >= {low}, got {value}"
+        for name, value, low in [
+            ("eval_samples", run.eval_samples, 1),
+            ("eval_batch_size", run.eval_batch_size, 1),
+            ("num_generations", config.num_generations, 2),
+            ("num_iterations", config.num_iterations, 1),
+            ("learning_rate", config.learning_rate, 0),
+        ]
+        if value < low
+    ]
+    if config.max_steps == 0:
+        problems.append("max_steps 0 trains nothing; give a positive number (or -1 to train by num_train_epochs)")
+    name = model_args.model_name_or_path
+    if (
+        name
+        and not is_tiny(name)
+        and name.startswith(("/", "./", "../", "~"))
+        and not os.path.isdir(os.path.expanduser(name))
+    ):
+        problems.append(f"model_name_or_path {name!r} is not a folder")
+    if problems:
+        raise SystemExit("error: " + "; ".join(problems))
+    try:  # a run that cannot save its model must not train first
+        os.makedirs(config.output_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=config.output_dir):
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: output_dir {config.output_dir!r} cannot be written: {e}") from e
+    multi_turn = run.dataset_name is None or (run.environment or "none").lower() != "none"
+    if multi_turn and config.max_completion_length < 2 * config.max_turn_tokens:
+        logger.warning(
+            "max_completion_length %d is less than two turns of max_turn_tokens %d: a multi-turn episode will be cut "
+            "after its first turn",
+            config.max_completion_length,
+            config.max_turn_tokens,
+        )
+
+
 def held_out(model, tokenizer, sources: Sources, run: RunArguments, config) -> dict:
     if sources.environment is None:
         kw = dict(
@@ -289,6 +334,7 @@ def count_parameters(model) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     run, config, model_args, trainer_cls = parse(argv)
+    check_run(run, config, model_args)
     start = time.time()
     sources = load_sources(run, config)  # validates environment, dataset and rewards before any model is loaded
     print(f"training on {sources.described}")

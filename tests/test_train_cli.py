@@ -68,3 +68,29 @@ def test_every_shipped_config_parses(path):
     # GPU recipes (bf16) cannot build a TrainingArguments on a CPU machine; every field name is still checked
     run, cfg, model_args, trainer_cls = train.parse(["--config", path, "--use_cpu", "true", "--bf16", "false"])
     assert run.trainer in train.TRAINERS and model_args.model_name_or_path
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ("eval_samples: 0\n", "eval_samples must be >= 1, got 0"),
+        ("eval_batch_size: 0\n", "eval_batch_size must be >= 1, got 0"),
+        ("num_iterations: 0\n", "num_iterations must be >= 1, got 0"),
+        ("learning_rate: -0.001\n", "learning_rate must be >= 0, got -0.001"),
+        ("max_steps: 0\n", "max_steps 0 trains nothing"),
+        ("model_name_or_path: /no/such/model\n", "model_name_or_path '/no/such/model' is not a folder"),
+    ],
+)
+def test_bad_run_fields_stop_before_any_model_is_built(tmp_path, monkeypatch, extra, needle):
+    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before validating the run"))
+    base = GOOD.replace("model_name_or_path: tiny:shop\n", "") if "model_name_or_path" in extra else GOOD
+    with pytest.raises(SystemExit, match=needle):
+        train.main(config(tmp_path, extra, base))
+
+
+def test_unwritable_output_dir_stops_before_training(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before checking output_dir"))
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a folder")
+    with pytest.raises(SystemExit, match="output_dir .* cannot be written"):
+        train.main(config(tmp_path) + ["--output_dir", str(blocker / "run")])
