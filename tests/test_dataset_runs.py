@@ -201,7 +201,11 @@ def test_tiny_default_for_a_dataset_is_cached_and_warm_started_on_its_answers(tm
         [*r["prompt"], {"role": "assistant", "content": r["answer"]}] for r in chats
     ]
     noisy = tiny.tiny_dataset_model(chats, noise=1.0, **small)  # every answer swapped for a row's answer
-    assert noisy != clean and {d["messages"][-1]["content"] for d in captured[Path(noisy).name]} <= set(WORDS)
+    swapped = [d["messages"][-1]["content"] for d in captured[Path(noisy).name]]
+    assert noisy != clean and set(swapped) <= set(WORDS)
+    # each drawn from all 20 answers (10 words, twice each): it differs from its own row's with probability 0.9, so
+    # about 18 of 20 differ; fewer than 10 would have probability below 1e-5
+    assert sum(a != r["answer"] for a, r in zip(swapped, chats, strict=True)) >= 10
     plain = tiny.tiny_dataset_model(texts, noise=0.0, **small)  # text prompts: prompt and completion
     assert captured[Path(plain).name] == [{"prompt": r["prompt"], "completion": r["completion"]} for r in texts]
     # cached: the same rows and settings come back from the cache without a build
