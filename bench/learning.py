@@ -18,8 +18,9 @@ that holds `<config>-s<S>/summary.json` instead (read in place, not copied; the 
 the folder). A reused run must record the config's trainer, environment and difficulty; `--set` is not checked.
 
 The table has one row per config, grouped by the environment and difficulty its runs' summary.json records; within an
-environment GRPO comes first, then PPO, T1, MPO, DRACO, then any other trainer, each in the order given. A row's method
-is its trainer, except that PPO with a separate critic (`critic_model_name_or_path` set, t1.md D2) is T1. Columns:
+environment GRPO comes first, then GiGPO, PPO, T1, MPO, DRACO, then any other trainer, each in the order given. A
+row's method is its trainer, except that PPO with a separate critic (`critic_model_name_or_path` set, t1.md D2) is
+T1. Columns:
 - loss aggregation: the config's `loss_type`, TRL's default `dapo` (one token mean) when unset; every trainer reads
   it (conventions.md C22);
 - the mean and spread (min to max) over seeds of: held-out success sampled at the config's temperature before and
@@ -56,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from anywhere: the repository's packages
 from bench.record import write_result  # noqa: E402
 
-METHODS = ("grpo", "ppo", "t1", "mpo", "draco")  # row order within an environment; other trainers follow
+METHODS = ("grpo", "gigpo", "ppo", "t1", "mpo", "draco")  # row order within an environment; other trainers follow
 TRL_LOSS_TYPE = "dapo"  # GRPOConfig.loss_type's default in TRL 1.16
 LOSS_TYPES = {"grpo": "episode mean", "dapo": "token mean", "bnpo": "token mean", "dr_grpo": "sum / max length"}
 

@@ -6,7 +6,9 @@ An environment is an object with
   the first user message (instruction plus whatever the agent sees first);
 * `step(action_text) -> (observation, reward, done, info)`: apply the agent's whole turn (the decoded assistant text);
   `reward` is this turn's reward (the outcome reward arrives on the final turn), `info["success"]` is set when `done`;
-* `state_key() -> str`: a hashable description of the current state (GiGPO anchors, EnvSched statistics).
+* `state_key() -> str` (optional): a description of the current state, equal for states where an action means the
+  same (GiGPO's anchors, docs/methods/gigpo.md D1). When an environment gives none (an empty string), `state_key_of`
+  uses the whitespace-normalised observation the agent saw last.
 
 Built-in environments (`envs/shop.py`, `envs/terminal.py`, `envs/search.py`) subclass `Env` and also provide a seeded
 task generator with disjoint train and eval splits (`make_tasks`), an expert (`expert_action`) for demonstrations,
@@ -120,7 +122,24 @@ class ProtocolEnv(Env):
         return self.inner.step(action)
 
     def state_key(self) -> str:
-        return str(self.inner.state_key()) if hasattr(self.inner, "state_key") else ""
+        key = self.inner.state_key() if hasattr(self.inner, "state_key") else None
+        return "" if key is None else str(key)  # "": no key of its own, the observation stands in (state_key_of)
+
+
+def state_key_of(env: Env, observation: str) -> str | None:
+    """The key of `env`'s current state (gigpo.md D1): `env.state_key()` when it returns a non-empty key, else the
+    observation the agent saw last (`observation`), whitespace-normalised (conventions.md C13). None when
+    `state_key()` raises: the step still runs and only its key is missing.
+
+    >>> state_key_of(Env(), "  You are in\\n room 2 ")
+    'You are in room 2'
+    """
+    try:
+        key = env.state_key()
+    except Exception:  # an environment bug must not stop the episode (gigpo.md §7 item 15)
+        return None
+    key = " ".join(str(key).split()) if key is not None else ""
+    return key or " ".join(str(observation).split())
 
 
 def check_split(split: str) -> None:
@@ -253,6 +272,3 @@ class ToolEnv(Env):
         total = self._total_reward()
         change, self._reward = total - self._reward, total
         return change
-
-    def state_key(self) -> str:
-        return f"calls={self._n_calls}"

@@ -5,12 +5,16 @@
 
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer
 from trainers.draco import DRACOConfig, DRACOTrainer
+from trainers.gigpo import GiGPOConfig, GiGPOTrainer
 from trainers.mpo import MPOConfig, MPOTrainer
 from trainers.ppo import AgentPPOTrainer, PPOConfig
+from trainers.taspo import TASPOConfig, TASPOTrainer
 
 TRAINERS: dict[str, tuple[type, type]] = {
     "grpo": (AgentGRPOTrainer, AgentGRPOConfig),
     "draco": (DRACOTrainer, DRACOConfig),
+    "gigpo": (GiGPOTrainer, GiGPOConfig),
+    "taspo": (TASPOTrainer, TASPOConfig),
     "ppo": (AgentPPOTrainer, PPOConfig),
     "mpo": (MPOTrainer, MPOConfig),
 }

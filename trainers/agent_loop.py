@@ -15,11 +15,13 @@
    end-of-turn id in front of the observation (an environment token), so the stored sequence stays well formed.
 
 An episode ends when the environment says `done` (terminated), or when it runs out of turns or of completion tokens
-(`truncated`: a budget cut, which critic trainers bootstrap from). The outcome reward is the sum of the per-turn
+(`truncated`: a budget cut, a failed episode unless the environment declares that its episodes continue past a cut,
+conventions.md C4). The outcome reward is the sum of the per-turn
 rewards.
 
 Returned per rollout (the data contract of DESIGN.md): `prompt_ids`, `completion_ids`, `logprobs`, `env_mask`,
-`turn_index`, `turn_rewards` (K), `state_keys` (K, the state before each turn), `transcript` (per turn: action,
+`turn_index`, `turn_rewards` (K), `state_keys` (K, the state before each turn: `envs.base.state_key_of`),
+`prompt_messages` and `prompt_tools` (what `prompt_ids` was rendered from), `transcript` (per turn: action,
 observation, reward), `env_reward`, `success`, `truncated`, `continues` (truncated in an environment that declares
 `continues_past_cut`), `final_info`.
 
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from envs.base import Env, row_task
+from envs.base import Env, row_task, state_key_of
 
 # A generation backend: (contexts, max_new_tokens) -> one (sampled ids, sampling log-probs) pair per context, or one
 # (sampled ids, sampling log-probs, routes) triple when it records MoE routes: routes (len(context) + len(ids) - 1,
@@ -68,7 +70,9 @@ class Rollout:
     env_mask: list[int] = field(default_factory=list)
     turn_index: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
-    state_keys: list[str] = field(default_factory=list)
+    state_keys: list[str | None] = field(default_factory=list)  # None: the environment's state_key raised
+    prompt_messages: list[dict] = field(default_factory=list)  # the messages `prompt_ids` was rendered from
+    prompt_tools: list[dict] | None = None  # the tool schemas rendered with them (the teacher pass re-renders both)
     transcript: list[dict] = field(default_factory=list)
     done: bool = False
     truncated: bool = False
@@ -161,7 +165,7 @@ def play(
     """
     settings = settings or LoopSettings()
     eos_id = tokenizer.eos_token_id
-    rollouts, turns = [], []
+    rollouts, turns, last_obs = [], [], []  # last_obs: the observation before each env's next turn (state keys)
     for i, (env, task) in enumerate(zip(envs, tasks, strict=True)):
         first = env.reset(task)
         messages = copy.deepcopy(prompts[i]) if prompts is not None else [{"role": "user", "content": first}]
@@ -172,7 +176,14 @@ def play(
             user[-1]["content"] = first
         else:
             messages.append({"role": "user", "content": first})
-        rollouts.append(Rollout(prompt_ids=render_prompt_ids(tokenizer, messages, env.tools)))
+        rollouts.append(
+            Rollout(
+                prompt_ids=render_prompt_ids(tokenizer, messages, env.tools),
+                prompt_messages=messages,
+                prompt_tools=env.tools,
+            )
+        )
+        last_obs.append(first)
         turns.append(settings.max_turns if settings.max_turns is not None else env.max_turns)
 
     bar = tqdm(total=len(rollouts), desc="episodes", leave=False, disable=not progress)
@@ -186,7 +197,7 @@ def play(
             continue
         budgets = [settings.max_completion_length - len(rollouts[i].completion_ids) for i in live]
         for i in live:
-            rollouts[i].state_keys.append(envs[i].state_key())
+            rollouts[i].state_keys.append(state_key_of(envs[i], last_obs[i]))
         contexts = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in live]
         outputs = generate(contexts, min(settings.max_turn_tokens, max(budgets)))
         steps = []
@@ -213,7 +224,11 @@ def play(
             r.env_errors += int(bool(info.get("env_error") or info.get("env_timeout")))
             r.final_info = dict(info)
             r.success = bool(info.get("success", False))
-            r.transcript.append({"action": action, "observation": observation, "reward": float(reward)})
+            invalid = bool(info.get("invalid", False))  # the environment rejected the action (TASPO's executed turns)
+            r.transcript.append(
+                {"action": action, "observation": observation, "reward": float(reward), "invalid": invalid}
+            )
+            last_obs[i] = observation
             out_of_tokens = len(r.completion_ids) >= settings.max_completion_length
             if done or k + 1 >= turns[i] or out_of_tokens:
                 r.done, r.truncated = True, not done
@@ -441,6 +456,8 @@ def to_trl(rollouts: list[Rollout]) -> dict[str, list]:
         "turn_index": [r.turn_index for r in rollouts],
         "turn_rewards": [r.turn_rewards for r in rollouts],
         "state_keys": [r.state_keys for r in rollouts],
+        "prompt_messages": [r.prompt_messages for r in rollouts],
+        "prompt_tools": [r.prompt_tools for r in rollouts],
         "transcript": [r.transcript for r in rollouts],
         "env_reward": [r.env_reward for r in rollouts],
         "success": [r.success for r in rollouts],

@@ -1,0 +1,160 @@
+"""The teacher pass (docs/methods/teacher-pass.md): the frozen pre-update policy, or the reference model, re-scores a
+rollout's own completion tokens with a privileged block added to its context. Used by the methods that measure how
+privileged information (hints, a sibling's context) shifts the policy's log-probs: TASPO, AlignOPSD, β-OPSD and
+Experience Funnel.
+
+* `with_privileged_block(messages, block)`: the block appended to the end of the system message, or a system
+  message made for it (teacher-pass.md Eq. 1).
+* `teacher_logps(trainer, batch, blocks)`: one teacher-forced forward per chunk of rows, batched, with and without
+  the block, returning (B, T) log-probs aligned to the rollout's completion tokens. The completion ids are the
+  rollout's ids, never re-tokenised; only the prompt changes (teacher-pass.md Eq. 2-3).
+
+The "pre-update policy" is the model as it is when `compute_advantages` runs: the optimizer has not stepped on this
+generation batch yet, so no copy of the weights is needed, with LoRA or without (teacher-pass.md D1). The reference
+model is TRL's own: `trainer.ref_model` when TRL made one (β > 0), or the PEFT model with its adapter disabled
+(teacher-pass.md D2).
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SOURCES = ("policy", "reference")
+
+
+def with_privileged_block(messages: list[dict] | str, block: str) -> list[dict]:
+    """The prompt messages with `block` appended to the end of the system message, after a blank line; when there is
+    no system message, one holding just the block is put first (teacher-pass.md Eq. 1). `messages` is not changed.
+
+    >>> with_privileged_block([{"role": "user", "content": "buy socks"}], "Hint: choose a size.")
+    [{'role': 'system', 'content': 'Hint: choose a size.'}, {'role': 'user', 'content': 'buy socks'}]
+    >>> with_privileged_block([{"role": "system", "content": "Be brief."}], "Hint.")[0]["content"]
+    'Be brief.\\n\\nHint.'
+    """
+    out = [{"role": "user", "content": messages}] if isinstance(messages, str) else copy.deepcopy(list(messages))
+    if out and out[0].get("role") == "system":
+        content = out[0].get("content") or ""
+        if not isinstance(content, str):
+            raise ValueError("the teacher pass needs a text system message (got structured content)")
+        out[0]["content"] = f"{content}\n\n{block}" if content else block
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+@dataclass
+class TeacherOutput:
+    """Result of `teacher_logps`."""
+
+    with_block: Tensor  # (B, T) float32 log-probs of the completion tokens with the block in context; 0 off `rows`
+    without_block: Tensor  # (B, T) the same forward without the block (same routine, same chunking)
+    rows: Tensor  # (B,) bool, the rows that had a block and were scored
+    prompt_tokens_added: Tensor  # (B,) int, prompt length with the block minus without
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long, device=device)
+            mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def reference_context(trainer, model):
+    """The model and context in which the reference scores (teacher-pass.md D2)."""
+    if getattr(trainer, "ref_model", None) is not None:
+        return trainer.ref_model, nullcontext()
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    if hasattr(unwrapped, "peft_config"):
+        from trl.trainer.utils import use_adapter
+
+        return model, use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+    raise ValueError(
+        "teacher source 'reference' needs a reference model: set beta > 0 (TRL then keeps one) or train a PEFT "
+        "adapter (the base model is the reference); or use the teacher source 'policy'"
+    )
+
+
+@torch.no_grad()
+def teacher_logps(
+    trainer,
+    batch,
+    blocks: list[str | None],
+    source: str = "policy",
+    batch_size: int | None = None,
+) -> TeacherOutput:
+    """Log-probs of each row's own completion tokens under the teacher, with and without its privileged block
+    (teacher-pass.md Eq. 2-3). Rows whose block is None (or empty) are not scored.
+
+    The prompt with the block is rendered from the rollout's prompt messages and tools (`prompt_messages`,
+    `prompt_tools` in `batch.rows`, recorded by the agent loop) with the tokenizer's chat template; the prompt without
+    it is the rollout's own `prompt_ids`. Both passes run through the trainer's log-prob forward (TRL's, with the
+    sampling temperature), in chunks of `batch_size` rows (default: `per_device_train_batch_size`), in eval mode.
+
+    Args:
+        trainer: an `AgentGRPOTrainer` (its model, tokenizer, accelerator, and `_get_per_token_logps_and_entropies`).
+        batch (`RolloutBatch`): the generation batch (prompt_ids, prompt_mask, completion ids and mask, rows).
+        blocks (`list[str | None]`): (B,) the privileged text per row.
+        source (`str`): `policy` (the pre-update policy) or `reference` (teacher-pass.md D2).
+        batch_size (`int`, *optional*): rows per forward.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"teacher source must be one of {SOURCES}, got {source!r}")
+    B, T = batch.completion_ids.shape
+    if len(blocks) != B:
+        raise ValueError(f"teacher_logps got {len(blocks)} blocks for {B} rows")
+    device = batch.completion_ids.device
+    rows = torch.tensor([bool(b) for b in blocks], dtype=torch.bool, device=device)
+    out = TeacherOutput(
+        with_block=torch.zeros(B, T, device=device),
+        without_block=torch.zeros(B, T, device=device),
+        rows=rows,
+        prompt_tokens_added=torch.zeros(B, dtype=torch.long, device=device),
+    )
+    picked = rows.nonzero().flatten().tolist()
+    if not picked:
+        return out
+    from trainers.agent_loop import render_prompt_ids
+
+    tok = trainer.processing_class
+    tok = getattr(tok, "tokenizer", tok)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    privileged, plain = [], []
+    for b in picked:
+        row = batch.rows[b]
+        if "prompt_messages" not in row:
+            raise RuntimeError("the teacher pass needs the agent loop's prompt_messages (train with an environment)")
+        messages = with_privileged_block(row["prompt_messages"], blocks[b])  # Eq. 1
+        privileged.append(render_prompt_ids(tok, messages, row.get("prompt_tools")))
+        keep = batch.prompt_mask[b].bool()
+        plain.append(batch.prompt_ids[b][keep].tolist())
+    model = trainer.model
+    context = nullcontext()
+    if source == "reference":
+        model, context = reference_context(trainer, model)
+    was_training = model.training
+    model.eval()
+    size = batch_size or trainer.args.per_device_train_batch_size
+    completion_ids, completion_mask = batch.completion_ids[picked], batch.completion_mask[picked]
+    try:
+        with context, trainer.free_routing():  # MoE: the sampler's routes belong to another context; route freely
+            for prompts, target in ((privileged, out.with_block), (plain, out.without_block)):
+                prompt_ids, prompt_mask = _left_pad(prompts, pad_id, device)
+                input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # Eq. 2: the rollout's own ids
+                attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+                logps, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, T, size)
+                target[picked] = logps.float() * completion_mask.float()  # Eq. 3
+    finally:
+        model.train(was_training)
+    out.prompt_tokens_added[picked] = torch.tensor(
+        [len(p) - len(q) for p, q in zip(privileged, plain, strict=True)], device=device
+    )
+    return out
