@@ -1,15 +1,18 @@
-"""Step time of the critic trainers (PPO, MPO) relative to GRPO on the same setup, measured side by side in one run.
+"""Step time of the methods relative to GRPO on the same setup, measured side by side in one run.
 
     python bench/overhead.py --steps 20                      # random tiny model on shop, CPU
     python bench/overhead.py --steps 20 --model tiny:shop    # the embedded default (built and cached on first use)
 
-Every method trains `--steps` optimizer steps from the same model folder, on the same tasks, with the same seed and
-the same batch layout (`per_device_train_batch_size` rows per minibatch, `steps_per_generation` minibatches per
-generation batch, G = 2), after one untimed warm-up step (first-call costs). The time is the trainer's own
+Every method trains `--steps` optimizer steps from the same model folder, on the same tasks, with the same seed and the
+same batch layout (`per_device_train_batch_size` rows per minibatch, `steps_per_generation` minibatches per generation
+batch, G = `--num_generations`), after one untimed warm-up step (first-call costs). The time is the trainer's own
 `train_runtime` (generation, rewards, advantages, losses, optimizer steps), so model loading and trainer construction
 are not counted. Methods run with their own defaults: PPO with a value head on the policy's backbone (one extra no-grad
 policy forward per generation batch for V_old), MPO with a separate critic model (the critic's no-grad forward for
-V_old, and its forward and backward in every loss).
+V_old, and its forward and backward in every loss), GiGPO (anchor groups: a pass over the batch's state keys), TASPO
+with the offline oracle analyzer (its calls, and the teacher pass: two no-grad policy forwards over the rows with
+matched rules). For TASPO the table adds the teacher pass's share of the step and the analyzer calls and estimated
+tokens per optimizer step (the oracle's tokens are the prompt characters / 4, what an API analyzer would be sent).
 
 Each method runs twice: learning (learning rate 1e-3), where every method plays its own episodes and their lengths
 drift apart as the policies move (a policy that learns shorter episodes generates and trains faster), and with the
@@ -46,11 +49,13 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from bench.record import RESULTS, write_result  # noqa: E402
 from envs import ENVIRONMENTS  # noqa: E402
+from envs.sources import load_environment  # noqa: E402
 from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, demonstrations, is_tiny, tiny_model  # noqa: E402
-from train import make_dataset  # noqa: E402
+from train import env_rows  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 
-METHODS = ("grpo", "ppo", "mpo")
+METHODS = ("grpo", "ppo", "mpo", "gigpo", "taspo")
+EXTRA = ("taspo/teacher_forward_s", "taspo/analyzer_calls", "taspo/analyzer_tokens_in", "taspo/analyzer_tokens_out")
 LENGTH = "completions/mean_length"  # TRL's metric, averaged over the run (logging_strategy "no": one log at the end)
 
 
@@ -68,15 +73,16 @@ def random_model(env: str, folder: str) -> str:
 
 def step_seconds(
     method: str, folder: str, env: str, opts: argparse.Namespace, workdir: str, learning_rate: float = 1e-3
-) -> tuple[float, float | None]:
-    """Seconds per optimizer step of `method` and the run's mean completion length (tokens, model and environment)."""
+) -> tuple[float, float | None, dict[str, float]]:
+    """Seconds per optimizer step of `method`, the run's mean completion length (tokens, model and environment), and
+    the `EXTRA` metrics the method logs, per optimizer step (their run means are per generation batch)."""
     trainer_cls, config_cls = TRAINERS[method]
-    env_cls = ENVIRONMENTS[env]
+    source = load_environment(env, {}, 0)
     config = config_cls(
         output_dir=os.path.join(workdir, method),
         per_device_train_batch_size=opts.batch_size,
         steps_per_generation=2,
-        num_generations=2,
+        num_generations=opts.num_generations,
         max_completion_length=opts.max_completion_length,
         max_turn_tokens=opts.max_turn_tokens,
         max_steps=opts.steps,
@@ -94,17 +100,18 @@ def step_seconds(
     trainer = trainer_cls(
         model=folder,
         args=config,
-        train_dataset=make_dataset(env_cls, "train", 256, seed=0, difficulty=0),
+        train_dataset=env_rows(source, source.make_tasks("train", 256, seed=0, difficulty=0)),
         processing_class=AutoTokenizer.from_pretrained(folder, padding_side="left"),
-        env_factory=lambda row: env_cls(difficulty=0),
+        env_factory=source.factory,
     )
     torch.manual_seed(0)
     start = time.perf_counter()
     trainer.train()
     runtime = next((h["train_runtime"] for h in trainer.state.log_history if "train_runtime" in h), None)
     seconds = (runtime if runtime is not None else time.perf_counter() - start) / opts.steps
-    length = next((h[LENGTH] for h in trainer.state.log_history if LENGTH in h), None)  # mean over the run's batches
-    return seconds, length
+    final = next((h for h in trainer.state.log_history if LENGTH in h), {})  # one log: means over the run's batches
+    extra = {k: final[k] / 2 for k in EXTRA if k in final}  # per generation batch -> per optimizer step (2 per batch)
+    return seconds, final.get(LENGTH), extra
 
 
 def earlier_run(out: Path, opts: argparse.Namespace) -> dict | None:
@@ -138,12 +145,22 @@ def report(runs: dict[str, dict], opts: argparse.Namespace, earlier: dict | None
     for method in runs["learning"]:
         row = f"| {method} |"
         for mode in ("learning", "frozen"):
-            s, length = runs[mode][method]
+            s, length, _ = runs[mode][method]
             row += f" {s:.3f} | {s / runs[mode]['grpo'][0]:.2f} | {'' if length is None else f'{length:.1f}'} |"
         if earlier is not None:
             old = earlier["seconds_per_step"]
             row += f" {old[method]:.3f} | {old[method] / old['grpo']:.2f} |" if method in old else " | |"
         lines.append(row)
+    for mode in ("learning", "frozen"):
+        for method, (s, _, extra) in runs[mode].items():
+            if "taspo/teacher_forward_s" in extra:
+                lines.append(
+                    f"\n{method}, {mode}: teacher pass {extra['taspo/teacher_forward_s']:.3f} s per step "
+                    f"({extra['taspo/teacher_forward_s'] / s:.0%} of the step); analyzer "
+                    f"{extra.get('taspo/analyzer_calls', 0):.1f} calls, "
+                    f"{extra.get('taspo/analyzer_tokens_in', 0):.0f} "
+                    f"prompt and {extra.get('taspo/analyzer_tokens_out', 0):.0f} output tokens per step"
+                )
     lines.append(
         "\nLearning: each method plays its own episodes (learning rate 1e-3), whose lengths drift apart as the "
         "policies move. Frozen policy: learning rate 0, every method plays the same episodes, so the ratio is the "
@@ -167,6 +184,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--batch_size", type=int, default=16, help="rows per minibatch (2 minibatches per generation)")
     parser.add_argument("--max_completion_length", type=int, default=128)
     parser.add_argument("--max_turn_tokens", type=int, default=16)
+    parser.add_argument(
+        "--num_generations", type=int, default=2, help="G (GiGPO and TASPO need groups; 2 is TRL's least)"
+    )
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="grpo always runs first")
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead", help="folder for result.json and result.md")
     opts = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as workdir:
@@ -175,26 +196,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         else:
             folder = tiny_model(opts.model) if is_tiny(opts.model) else opts.model
         one = argparse.Namespace(**{**vars(opts), "steps": 1})
+        methods = ["grpo", *(m for m in opts.methods if m != "grpo")]
         warmup = step_seconds("grpo", folder, opts.env, one, workdir)[0]
         rates = {"learning": 1e-3, "frozen": 0.0}
         runs = {
-            mode: {m: step_seconds(m, folder, opts.env, opts, workdir, lr) for m in METHODS}
+            mode: {m: step_seconds(m, folder, opts.env, opts, workdir, lr) for m in methods}
             for mode, lr in rates.items()
         }
     earlier = earlier_run(opts.out, opts)
     text = report(runs, opts, earlier)
     print("\n" + text)
-    seconds = {m: s for m, (s, _) in runs["learning"].items()}
-    frozen = {m: s for m, (s, _) in runs["frozen"].items()}
+    seconds = {m: s for m, (s, _, _) in runs["learning"].items()}
+    frozen = {m: s for m, (s, _, _) in runs["frozen"].items()}
     measured = {
         "seconds_per_step": seconds,  # learning
         "train_runtime_s": {m: s * opts.steps for m, s in seconds.items()},
         "ratio_vs_grpo": {m: s / seconds["grpo"] for m, s in seconds.items()},
-        "mean_completion_length": {m: n for m, (_, n) in runs["learning"].items()},
+        "mean_completion_length": {m: n for m, (_, n, _) in runs["learning"].items()},
+        "per_step": {mode: {m: x for m, (_, _, x) in runs[mode].items() if x} for mode in runs},  # EXTRA metrics
         "frozen_seconds_per_step": frozen,  # learning rate 0: every method plays the same episodes
         "frozen_train_runtime_s": {m: s * opts.steps for m, s in frozen.items()},
         "frozen_ratio_vs_grpo": {m: s / frozen["grpo"] for m, s in frozen.items()},
-        "frozen_mean_completion_length": {m: n for m, (_, n) in runs["frozen"].items()},
+        "frozen_mean_completion_length": {m: n for m, (_, n, _) in runs["frozen"].items()},
         "warmup_grpo_s": warmup,  # one untimed-for-the-table GRPO step before the measured runs
         "model": folder if opts.model != "random" else "random (temporary folder)",
         "device": "cuda" if torch.cuda.is_available() else "cpu",

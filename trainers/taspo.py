@@ -24,7 +24,7 @@ Logged metrics (besides the `credit/*` set of credit-interface.md §10): `taspo/
 `taspo/groups_with_success`, `taspo/items_extracted_mean`, `taspo/items_loo_mean`, `taspo/items_matched_mean`,
 `taspo/pi_tokens_mean`, `taspo/delta_abs_mean`, `taspo/kappa_filtered_frac`, `taspo/d_std`, `taspo/q_saturation_frac`,
 `taspo/tau`, `taspo/w_min`, `taspo/w_max`, `taspo/w_std`, `taspo/action_turn_frac`, `taspo/action_span_fallback_frac`,
-`taspo/teacher_forward_s`, `taspo/teacher_step_frac`, and the analyzer's `taspo/analyzer_*` (calls, requests,
+`taspo/teacher_forward_s`, and the analyzer's `taspo/analyzer_*` (calls, requests,
 retries, timeouts, parse_failures, tokens, cost_usd, cost_usd_cum; `rewards/judge.py`) (taspo.md §8).
 """
 
@@ -431,7 +431,6 @@ class TASPOTrainer(AgentGRPOTrainer):
 
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
         args, acc = self.args, self.accelerator
-        step_start = time.monotonic()
         B, K = batch.turn_valid.shape
         device = batch.advantages.device
         tok = getattr(self.processing_class, "tokenizer", self.processing_class)
@@ -503,7 +502,6 @@ class TASPOTrainer(AgentGRPOTrainer):
         metrics["taspo/tau"] = tau
         metrics["taspo/action_span_fallback_frac"] = span_fallbacks / n_turns if n_turns else math.nan
         metrics["taspo/teacher_forward_s"] = teacher_s
-        metrics["taspo/teacher_step_frac"] = teacher_s / max(time.monotonic() - step_start, 1e-9)
         metrics |= self.analyzer.metrics(prefix="taspo/analyzer_", reset=True)
         for name, value in metrics.items():
             self.log_metric(name, value)
