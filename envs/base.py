@@ -50,6 +50,9 @@ class Env:
     #: critic trainers then bootstrap it from the value. False (every built-in): a cut episode is a finished failure
     #: (docs/methods/conventions.md C4)
     continues_past_cut: bool = False
+    #: how to do this environment's tasks well, in a few sentences: privileged information for self-distillation
+    #: methods (docs/methods/alignopsd.md D6); "" when the environment ships none
+    skill: str = ""
 
     def __init__(self, difficulty: int = 0):
         self.difficulty = difficulty

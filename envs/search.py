@@ -243,6 +243,11 @@ class SearchEnv(Env):
     """Multi-hop QA with `search[query]` (BM25 top 3) and `answer[text]` (exact match after normalisation)."""
 
     name = "search"
+    skill = (
+        "Search the entity the question names; the first result states the next fact and ends with the entity to "
+        "look up next; search that entity for each further hop; when a result ends with what the question asks, "
+        "reply answer[<those last words>]."
+    )
     max_turns = 6
     demo_version = 1  # 1: level-0 names from NAME_POOL
     # after 300 SFT steps the tiny default copied no name (held-out success 0.0 sampled and greedy); after 900:

@@ -168,6 +168,11 @@ class ShopEnv(Env):
     """A seeded WebShop-like shop: search, click an item, choose its options, buy. See the module docstring."""
 
     name = "shop"
+    skill = (
+        "Search with the words of the instruction that name the item, its size and its price bound; click the "
+        "listed item whose title and price fit the instruction; choose the size (and colour) the instruction names; "
+        "then buy."
+    )
     max_turns = 8
 
     def __init__(self, difficulty: int = 0):

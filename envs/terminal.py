@@ -977,6 +977,11 @@ class TerminalEnv(Env):
     """A simulated shell over an in-memory file system; one command per turn, `submit` to finish (see module doc)."""
 
     name = "terminal"
+    skill = (
+        "Run the one shell command that does what the task says, copying names and text exactly from the task "
+        "(mkdir -p for directories, echo <text> > <file> to write, >> to append, rm, cp, mv); one command per turn; "
+        "type submit when every requirement holds."
+    )
     max_turns = 8
 
     def __init__(self, difficulty: int = 0):

@@ -3,6 +3,7 @@
 `TRAINERS` maps the `trainer:` name of a config to its (Trainer, Config) pair; it is the project's only lookup table.
 """
 
+from trainers.alignopsd import AlignOPSDConfig, AlignOPSDTrainer
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer
 from trainers.draco import DRACOConfig, DRACOTrainer
 from trainers.gigpo import GiGPOConfig, GiGPOTrainer
@@ -15,6 +16,7 @@ TRAINERS: dict[str, tuple[type, type]] = {
     "draco": (DRACOTrainer, DRACOConfig),
     "gigpo": (GiGPOTrainer, GiGPOConfig),
     "taspo": (TASPOTrainer, TASPOConfig),
+    "alignopsd": (AlignOPSDTrainer, AlignOPSDConfig),
     "ppo": (AgentPPOTrainer, PPOConfig),
     "mpo": (MPOTrainer, MPOConfig),
 }

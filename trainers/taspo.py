@@ -440,10 +440,15 @@ class TASPOTrainer(AgentGRPOTrainer):
                 task=render_task(row.get("prompt_messages") or row.get("prompt", "")),
                 transcript=[{"action": t["action"], "observation": t["observation"]} for t in row["transcript"]],
                 success=bool(row["success"]) if "success" in row else bool(r >= 1.0),  # D12
-                adv=float(a),
+                adv=float(a) if has_tokens else 0.0,  # §7 item 16: a row without loss tokens is zeros, never analysed
             )
-            for g, row, r, a in zip(
-                batch.group_ids.tolist(), batch.rows, batch.rewards.tolist(), batch.advantages.tolist(), strict=True
+            for g, row, r, a, has_tokens in zip(
+                batch.group_ids.tolist(),
+                batch.rows,
+                batch.rewards.tolist(),
+                batch.advantages.tolist(),
+                (batch.turn_index >= 0).any(dim=1).tolist(),
+                strict=True,
             )
         ]
         start = acc.process_index * B if acc.num_processes > 1 else 0

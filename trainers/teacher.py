@@ -158,3 +158,69 @@ def teacher_logps(
         [len(p) - len(q) for p, q in zip(privileged, plain, strict=True)], device=device
     )
     return out
+
+
+@torch.no_grad()
+def score_after_prefixes(
+    trainer, sequences: list[list[int]], jobs: list[tuple[int, int, list[int]]], rows_per_forward: int = 16
+) -> list[Tensor]:
+    """Log-probs of continuation y after the prefix `sequences[r][:p]`, for every job (r, p, y), under the trainer's
+    policy in eval mode at the sampling temperature; one (len(y),) float32 tensor per job, in order.
+
+    The jobs of one sequence share one forward (teacher-pass.md D6): the sequence up to its longest prefix, then each
+    continuation, with a 4-D attention mask that lets continuation k see the first p_k tokens of the sequence and its
+    own earlier tokens, and position ids that continue from p_k. Each continuation is scored exactly as if it followed
+    its prefix alone, while the shared prefix is computed once."""
+    per_seq: dict[int, list[int]] = {}
+    for k, (r, p, _) in enumerate(jobs):
+        if p < 1 or p > len(sequences[r]):
+            raise ValueError(f"job {k}: prefix length {p} is outside sequence {r} (length {len(sequences[r])})")
+        per_seq.setdefault(r, []).append(k)
+    out: list[Tensor | None] = [None] * len(jobs)
+    model, device = trainer.model, trainer.accelerator.device
+    tok = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    was_training = model.training
+    model.eval()
+    packs = []  # (tokens, positions, allow (S, S) bool, [(job, prediction positions)])
+    for r, ks in per_seq.items():
+        base = sequences[r][: max(jobs[k][1] for k in ks)]
+        tokens, positions, reads = list(base), list(range(len(base))), []
+        spans = []
+        for k in ks:
+            p, y = jobs[k][1], jobs[k][2]
+            start = len(tokens)
+            tokens += y
+            positions += list(range(p, p + len(y)))
+            spans.append((start, p, len(y)))
+            reads.append((k, [p - 1, *range(start, start + len(y) - 1)]))
+        S = len(tokens)
+        allow = torch.tril(torch.ones(S, S, dtype=torch.bool))
+        allow[len(base) :, :] = False
+        for start, p, m in spans:
+            allow[start : start + m, :p] = True
+            allow[start : start + m, start : start + m] = torch.tril(torch.ones(m, m, dtype=torch.bool))
+        packs.append((tokens, positions, allow, reads))
+    try:
+        with trainer.free_routing():
+            for s in range(0, len(packs), rows_per_forward):
+                chunk = packs[s : s + rows_per_forward]
+                width = max(len(t) for t, _, _, _ in chunk)
+                ids = torch.full((len(chunk), width), pad_id, dtype=torch.long, device=device)
+                pos = torch.zeros((len(chunk), width), dtype=torch.long, device=device)
+                allow = torch.eye(width, dtype=torch.bool, device=device).repeat(len(chunk), 1, 1)  # padding: itself
+                for i, (t, q, a, _) in enumerate(chunk):
+                    ids[i, : len(t)] = torch.tensor(t, device=device)
+                    pos[i, : len(q)] = torch.tensor(q, device=device)
+                    allow[i, : len(t), : len(t)] = a.to(device)
+                dtype = next(model.parameters()).dtype
+                mask = torch.zeros(allow.shape, dtype=dtype, device=device).masked_fill(~allow, torch.finfo(dtype).min)
+                logits = model(input_ids=ids, attention_mask=mask.unsqueeze(1), position_ids=pos).logits
+                logps = torch.log_softmax(logits.float() / trainer.temperature, dim=-1)  # (b, S, V)
+                for i, (_, _, _, reads) in enumerate(chunk):
+                    for k, where in reads:
+                        y = torch.tensor(jobs[k][2], device=device)
+                        out[k] = logps[i, where].gather(1, y.unsqueeze(1)).squeeze(1)
+    finally:
+        model.train(was_training)
+    return out
