@@ -483,7 +483,8 @@ class TASPOTrainer(AgentGRPOTrainer):
         tau = args.taspo_tau
         if args.taspo_tau_mode == "auto":  # D3, C12: over the whole batch's action turns of credited rows
             d = turn_shift_means(delta, action_mask, batch.turn_index, K, args.taspo_kappa)
-            live = executed & batch.turn_valid.bool() & ~fallback.unsqueeze(1)
+            has_tokens = turn_token_counts(batch.turn_index, K) > 0  # a turn cut to no token is not in 𝒯 (C7)
+            live = executed & batch.turn_valid.bool() & has_tokens & ~fallback.unsqueeze(1)
             d_hat = demeaned(d, live)
             if acc.num_processes > 1:
                 d_hat, live = gather(d_hat), gather(live)
@@ -550,7 +551,8 @@ class TASPOTrainer(AgentGRPOTrainer):
         metrics["taspo/delta_abs_mean"] = float(values.abs().mean()) if values.numel() else nan
         kappa = self.args.taspo_kappa
         metrics["taspo/kappa_filtered_frac"] = float((values.abs() < kappa).double().mean()) if values.numel() else nan
-        on = executed & batch.turn_valid.bool() & credited.to(executed.device).unsqueeze(1)
+        has_tokens = turn_token_counts(batch.turn_index, executed.shape[1]) > 0
+        on = executed & batch.turn_valid.bool() & has_tokens & credited.to(executed.device).unsqueeze(1)
         d_hat = demeaned(d, on)[on]
         metrics["taspo/d_std"] = float(d_hat.std(unbiased=False)) if d_hat.numel() else nan
         metrics["taspo/q_saturation_frac"] = float((q[on].abs() > 0.95).double().mean()) if bool(on.any()) else nan
