@@ -316,7 +316,7 @@ def project_density(
         else:
             high = lam
     h = (r - 0.5 * (low + high)).clamp(lo, hi)
-    for _ in range(0):  # C21: residual correction on the free coordinates, clamped, until exact
+    for _ in range(100):  # C21: residual correction on the free coordinates, clamped, until exact
         residual = N - float((n * h).sum())
         if abs(residual) <= tol * N:
             return h, True
