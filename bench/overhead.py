@@ -13,6 +13,8 @@ V_old, and its forward and backward in every loss), GiGPO (anchor groups: a pass
 with the offline oracle analyzer (its calls, and the teacher pass: two no-grad policy forwards over the rows with
 matched rules). For TASPO the table adds the teacher pass's share of the step and the analyzer calls and estimated
 tokens per optimizer step (the oracle's tokens are the prompt characters / 4, what an API analyzer would be sent).
+AlignOPSD runs with its shop recipe's settings (matching by action, K = 2, teacher generations of one turn's tokens);
+the table adds its teacher generation, teacher forwards and encoder time per step.
 
 Each method runs twice: learning (learning rate 1e-3), where every method plays its own episodes and their lengths
 drift apart as the policies move (a policy that learns shorter episodes generates and trains faster), and with the
@@ -22,8 +24,8 @@ beside its time. Prints a markdown table of seconds per step and ratios; when th
 measured with the same settings, its learning figures appear beside the new ones as the earlier run (a before/after
 across a code change), with its timestamp. The README's figures come from
 
-    python bench/overhead.py --steps 30 --model tiny:shop --batch_size 32 --max_completion_length 256 \
-        --max_turn_tokens 24
+    python bench/overhead.py --steps 10 --model tiny:shop --batch_size 32 --max_completion_length 256 \
+        --max_turn_tokens 24 --num_generations 8
 
 and are written to bench/results/overhead/result.json (each method's `train_runtime`, s/step and mean completion
 length in both modes, the warm-up's, the settings, library versions and machine) and result.md (the table), or into
@@ -54,8 +56,18 @@ from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, dem
 from train import env_rows  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 
-METHODS = ("grpo", "ppo", "mpo", "gigpo", "taspo")
-EXTRA = ("taspo/teacher_forward_s", "taspo/analyzer_calls", "taspo/analyzer_tokens_in", "taspo/analyzer_tokens_out")
+METHODS = ("grpo", "ppo", "mpo", "gigpo", "taspo", "alignopsd")
+EXTRA = (
+    "taspo/teacher_forward_s",
+    "taspo/analyzer_calls",
+    "taspo/analyzer_tokens_in",
+    "taspo/analyzer_tokens_out",
+    "alignopsd/teacher_gen_s",
+    "alignopsd/teacher_forward_s",
+    "alignopsd/encoder_s",
+)
+#: per-method settings of the shipped tiny recipes (configs/<method>_shop.yaml) that differ from the method's defaults
+RECIPE = {"alignopsd": {"alignopsd_match_on": "action", "alignopsd_top_k": 2}}
 LENGTH = "completions/mean_length"  # TRL's metric, averaged over the run (logging_strategy "no": one log at the end)
 
 
@@ -96,6 +108,8 @@ def step_seconds(
         save_strategy="no",
         logging_strategy="no",
         disable_tqdm=True,
+        **RECIPE.get(method, {}),
+        **({"alignopsd_teacher_max_tokens": opts.max_turn_tokens} if method == "alignopsd" else {}),
     )
     trainer = trainer_cls(
         model=folder,
@@ -153,6 +167,13 @@ def report(runs: dict[str, dict], opts: argparse.Namespace, earlier: dict | None
         lines.append(row)
     for mode in ("learning", "frozen"):
         for method, (s, _, extra) in runs[mode].items():
+            if "alignopsd/teacher_gen_s" in extra:
+                gen, fwd = extra["alignopsd/teacher_gen_s"], extra.get("alignopsd/teacher_forward_s", 0.0)
+                enc = extra.get("alignopsd/encoder_s", 0.0)
+                lines.append(
+                    f"\n{method}, {mode}: teacher generation {gen:.3f} s ({gen / s:.0%} of the step), teacher "
+                    f"forwards {fwd:.3f} s ({fwd / s:.0%}), encoder {enc:.3f} s per step"
+                )
             if "taspo/teacher_forward_s" in extra:
                 lines.append(
                     f"\n{method}, {mode}: teacher pass {extra['taspo/teacher_forward_s']:.3f} s per step "

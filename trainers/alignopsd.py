@@ -579,7 +579,9 @@ class AlignOPSDTrainer(AgentGRPOTrainer):
                         len(empty),
                         "thinking" if args.alignopsd_match_on == "thinking" else "visible text",
                     )
-            vectors = self.encoder.encode(texts).to(torch.float64)
+            used = [g in active and g not in no_pi for g in all_groups for _ in range(K)] * 2  # D8: skipped groups
+            vectors = self.encoder.encode([t if keep else "" for t, keep in zip(texts, used, strict=True)])
+            vectors = vectors.to(torch.float64)  # an empty text is the zero vector; skipped groups cost nothing
             M = len(records) * K
             teacher_vec, student_vec = vectors[:M].view(len(records), K, -1), vectors[M:].view(len(records), K, -1)
             for g in set(all_groups):
