@@ -1,0 +1,171 @@
+"""Does a step-credit method push the right turns? Its per-turn credit against the environment's expert, on the tiny
+default at the start of training.
+
+    python bench/credit_signal.py                                  # TASPO and AlignOPSD on shop and search
+    python bench/credit_signal.py --methods taspo --envs shop --batches 1 --out /tmp/credit_signal   # a quick look
+
+For each method and environment, the method's trainer is built from its shipped recipe (`configs/<method>_<env>.yaml`,
+parsed and built as train.py does: 8 tasks x 8 rollouts per generation batch) on the tiny default agent, and plays
+`--batches` generation batches of training tasks through `trainer.train()` at learning rate 0 (every batch is played
+by the SFT start, where the credit matters most). Each turn of each rollout is labelled by replaying the rollout in
+a fresh environment: an **expert turn** is one whose action equals the environment's expert action in that state
+(`expert_action`, whitespace and case ignored); the labels are never shown to the methods.
+
+Measured per method and environment, over the rows the method credited (A != 0, not in fallback):
+* the ordering share: over pairs (expert turn, other turn) of one row, how often the method's per-turn credit orders
+  them the helpful way: on a rollout better than its group (A > 0) the expert turn gets the larger share, on a worse
+  one (A < 0) the smaller (less blame); ties count 1/2, so 0.5 is no information. The credit is the multiplier w of
+  TASPO and AlignOPSD (credit-interface.md Eq. I-2), which moves a rollout's advantage between its own turns. (GiGPO
+  is left out: its step advantage compares actions taken from one state across rollouts, not the turns of a row.)
+* the mean credit on expert turns and on other turns, for A > 0 and A < 0 separately, and the number of pairs.
+
+Writes bench/results/credit_signal/result.json and result.md, or into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from transformers import AutoTokenizer  # noqa: E402
+
+import train  # noqa: E402
+from bench.record import RESULTS, write_result  # noqa: E402
+from envs.base import row_task  # noqa: E402
+from trainers import TRAINERS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build(method: str, env: str, seed: int, workdir: str):
+    """The trainer of `configs/<method>_<env>.yaml`, parsed and built exactly as train.py builds it (no evaluation,
+    no training), and its environment source."""
+    argv = ["--config", str(ROOT / "configs" / f"{method}_{env}.yaml"), "--seed", str(seed)]
+    argv += ["--output_dir", os.path.join(workdir, f"{method}_{env}"), "--report_to", "none"]
+    run, config, model_args, trainer_cls = train.parse(argv)
+    sources = train.load_sources(run, config)
+    folder = train.resolve_model(model_args.model_name_or_path, run, sources)
+    trainer = trainer_cls(
+        model=folder,
+        args=config,
+        train_dataset=sources.train,
+        processing_class=AutoTokenizer.from_pretrained(folder, padding_side="left"),
+        env_factory=sources.environment.factory,
+    )
+    return trainer, sources
+
+
+def expert_labels(source, row: dict, transcript: list[dict]) -> list[bool]:
+    """Per turn: did the rollout take the expert's action in that state (replayed in a fresh environment)?"""
+    env, task = source.factory(row), row_task(row)
+    env.reset(task)
+    labels = []
+    for turn in transcript:
+        expert = env.expert_action()
+        labels.append(" ".join(turn["action"].lower().split()) == " ".join(expert.lower().split()))
+        env.step(turn["action"])
+    return labels
+
+
+def measure(method: str, env: str, batches: int, seed: int, workdir: str) -> dict:
+    trainer, sources = build(method, env, seed, workdir)
+    source = sources.environment
+    trainer.args.max_steps, trainer.args.learning_rate = batches, 0.0  # every batch is played by the SFT start
+    trainer.args.logging_steps = batches
+    trainer.train()
+    stats = {(sign, kind): [] for sign in ("winner", "loser") for kind in ("expert", "other")}
+    helpful = pairs = 0.0
+    for i, (batch, credit) in enumerate(trainer.recorded):
+        print(
+            f"{method} {env} batch {i}: success {sum(r['success'] for r in batch.rows)}/{len(batch.rows)}, "
+            f"credited {int(((batch.advantages != 0) & ~credit.fallback).sum())}",
+            file=sys.stderr,
+        )
+        for b, row in enumerate(batch.rows):
+            a = float(batch.advantages[b])
+            if a == 0 or bool(credit.fallback[b]):
+                continue
+            labels = expert_labels(source, row, row["transcript"])
+            live = [k for k in range(len(labels)) if bool((batch.turn_index[b] == k).any())]  # turns with tokens
+            values = {k: float(credit.values[b, k]) for k in live}
+            sign = "winner" if a > 0 else "loser"
+            for k in live:
+                stats[(sign, "expert" if labels[k] else "other")].append(values[k])
+            experts = [k for k in live if labels[k]]
+            others = [k for k in live if not labels[k]]
+            for e in experts:
+                for o in others:
+                    pairs += 1
+                    if values[e] == values[o]:
+                        helpful += 0.5
+                    elif a > 0:
+                        helpful += values[e] > values[o]  # larger credit on the expert turn
+                    else:
+                        helpful += values[e] < values[o]  # less blame on the expert turn
+    out = {"pairs": pairs, "ordering_share": helpful / pairs if pairs else None}
+    for (sign, kind), values in stats.items():
+        out[f"{sign}_{kind}_mean"] = sum(values) / len(values) if values else None
+        out[f"{sign}_{kind}_turns"] = len(values)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    methods = ["taspo", "alignopsd"]
+    parser.add_argument("--methods", nargs="+", default=methods, choices=methods)
+    parser.add_argument("--envs", nargs="+", default=["shop", "search"], choices=["shop", "search"])
+    parser.add_argument("--batches", type=int, default=3, help="generation batches (8 tasks x 8 rollouts) each")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "credit_signal")
+    opts = parser.parse_args(argv)
+    results: dict[str, dict] = {}
+    for name in opts.methods:
+        trainer_cls = TRAINERS[name][0]
+
+        class Recording(trainer_cls):
+            def compute_advantages(self, batch):
+                out = super().compute_advantages(batch)
+                self.__dict__.setdefault("recorded", []).append((batch, self.credit))
+                return out
+
+        TRAINERS[name] = (Recording, TRAINERS[name][1])
+    with tempfile.TemporaryDirectory() as workdir:
+        for env in opts.envs:
+            for name in opts.methods:
+                results[f"{name}/{env}"] = measure(name, env, opts.batches, opts.seed, workdir)
+                print(name, env, results[f"{name}/{env}"], file=sys.stderr)
+    lines = [
+        "| method | environment | ordering share (0.5: none) | pairs | A > 0: expert / other turns | "
+        "A < 0: expert / other turns |",
+        "|---|---|---:|---:|---|---|",
+    ]
+
+    def fmt(x):
+        return "n/a" if x is None else f"{x:.3f}"
+
+    for key, r in results.items():
+        name, env = key.split("/")
+        lines.append(
+            f"| {name} | {env} | {fmt(r['ordering_share'])} | {int(r['pairs'])} | "
+            f"{fmt(r['winner_expert_mean'])} / {fmt(r['winner_other_mean'])} | "
+            f"{fmt(r['loser_expert_mean'])} / {fmt(r['loser_other_mean'])} |"
+        )
+    lines.append(
+        "\nCredit per turn: the multiplier w (1 = GRPO's share). Ordering share: within-row (expert turn, other turn) "
+        "pairs ordered the helpful way (see bench/credit_signal.py)."
+    )
+    text = "\n".join(lines)
+    print("\n" + text)
+    write_result(opts.out, "credit_signal", vars(opts) | {"out": str(opts.out)}, results, text)
+    return results
+
+
+if __name__ == "__main__":
+    main()
