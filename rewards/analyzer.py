@@ -20,20 +20,15 @@ that observation (taspo.md D15).
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pydantic
 
-from rewards.judge import BaseJudge, M
+from rewards.oracle import OracleJudge
 from rewards.rubrics import clip_middle, render_steps
-
-logger = logging.getLogger(__name__)
 
 MAX_ITEMS = 12  # taspo.md §4.3
 PROMPT_VERSION = "taspo-v1"
@@ -182,8 +177,10 @@ def _key(text: str) -> str:
     return " ".join(text.split())
 
 
-class OracleAnalyzer(BaseJudge):
-    """TASPO's analyzer answered from the built-in environments' ground truth (see the module docstring).
+class OracleAnalyzer(OracleJudge):
+    """TASPO's analyzer answered from the built-in environments' ground truth (see the module docstring). It is
+    DRACO's `OracleJudge` (task lookup by instruction, call and token accounting, never raising) answering TASPO's two
+    schemas instead of the rubric stages.
 
     Args:
         tasks: task dicts with `instruction` and `env` (the built-in generators' format).
@@ -191,42 +188,14 @@ class OracleAnalyzer(BaseJudge):
     """
 
     def __init__(self, tasks: Iterable[Mapping[str, Any]] = (), obs_chars: int = 1000) -> None:
-        super().__init__()
-        from rewards.oracle import OracleJudge  # its task lookup by instruction
-
-        self._lookup = OracleJudge(tasks, checks={})
+        super().__init__(tasks, checks={})
         self.obs_chars = obs_chars
 
     def __repr__(self) -> str:
-        return f"OracleAnalyzer(tasks={len(self._lookup.tasks)})"
-
-    def add_tasks(self, tasks: Iterable[Mapping[str, Any]]) -> None:
-        self._lookup.add_tasks(tasks)
-
-    async def score(
-        self, messages: Sequence[Mapping[str, Any]], schema: type[M], *, vote_index: int = 0, **sampling: Any
-    ) -> M | None:
-        self.stats.add("calls")
-        self.stats.add("requests")
-        prompt = "\n".join(str(m.get("content", "")) for m in messages)
-        answer = None
-        try:
-            answer = self.answer(prompt, schema)
-            result = None if answer is None else schema.model_validate(answer)
-        except Exception as err:  # never raise into the training loop
-            logger.warning("oracle analyzer could not answer %s: %s: %s", schema.__name__, type(err).__name__, err)
-            self.stats.add("failures/internal")
-            result = None
-        self.stats.add("tokens_in", math.ceil(len(prompt) / 4))
-        self.stats.add("tokens_out", math.ceil(len(json.dumps(answer)) / 4) if result is not None else 0)
-        self.stats.add("usage_estimated")
-        if result is None:
-            self.stats.add("unscorable")
-        await asyncio.sleep(0)
-        return result
+        return f"OracleAnalyzer(tasks={len(self.tasks)})"
 
     def answer(self, prompt: str, schema: type[pydantic.BaseModel]) -> dict | None:
-        task = self._lookup.find_task(prompt)
+        task = self.find_task(prompt)
         if task is None:
             return None
         if schema is ExtractedItems:
