@@ -31,7 +31,6 @@ from rewards.oracle import OracleJudge
 from rewards.rubrics import clip_middle, render_steps
 
 MAX_ITEMS = 12  # taspo.md §4.3
-PROMPT_VERSION = "taspo-v1"
 
 
 class Evidence(pydantic.BaseModel):
