@@ -21,7 +21,7 @@ rewards.
 
 Returned per rollout (the data contract of DESIGN.md): `prompt_ids`, `completion_ids`, `logprobs`, `env_mask`,
 `turn_index`, `turn_rewards` (K), `state_keys` (K, the state before each turn: `envs.base.state_key_of`),
-`prompt_messages` and `prompt_tools` (what `prompt_ids` was rendered from), `transcript` (per turn: action,
+`prompt_messages` and `prompt_tools` (what `prompt_ids` was rendered from), `transcript` (per turn: action, invalid,
 observation, reward), `env_reward`, `success`, `truncated`, `continues` (truncated in an environment that declares
 `continues_past_cut`), `final_info`.
 
