@@ -233,6 +233,54 @@ def check_run(run: RunArguments, config, model_args) -> None:
         )
 
 
+def resume_checkpoint(config) -> str | None:
+    """The checkpoint folder `resume_from_checkpoint` names, checked before any model is loaded (None: a fresh run).
+
+    `true` picks the latest complete checkpoint in output_dir (a `checkpoint-N` folder holding trainer_state.json, the
+    last file the trainer writes there); incomplete ones, e.g. from a run killed while saving, are skipped with a
+    warning. A path must be a complete checkpoint folder. A run whose checkpoints would fall inside a generation batch
+    is refused: resuming from one would play new rollouts where the original run reused its batch, so the two runs
+    would part."""
+    value = config.resume_from_checkpoint
+    steps, accumulation = config.steps_per_generation * config.num_iterations, config.gradient_accumulation_steps
+    per_batch = max(1, steps // accumulation)  # optimizer steps on one generation batch
+    if config.save_strategy == "steps" and per_batch > 1 and config.save_steps % per_batch:
+        raise SystemExit(
+            f"error: save_steps {config.save_steps} is not a multiple of the {per_batch} optimizer steps of one "
+            "generation batch (steps_per_generation x num_iterations): a checkpoint inside a batch cannot resume "
+            f"exactly; use save_steps {per_batch * max(1, round(config.save_steps / per_batch))}"
+        )
+    if value in (None, False, ""):
+        return None
+    if str(value).lower() == "true":
+        found = []
+        if os.path.isdir(config.output_dir):
+            for entry in os.listdir(config.output_dir):
+                path = os.path.join(config.output_dir, entry)
+                if entry.startswith("checkpoint-") and entry[11:].isdigit() and os.path.isdir(path):
+                    found.append((int(entry[11:]), path))
+        complete = [(n, p) for n, p in sorted(found) if os.path.isfile(os.path.join(p, "trainer_state.json"))]
+        for n, path in sorted(found):
+            if (n, path) not in complete:
+                logger.warning(
+                    "resume_from_checkpoint: skipping %s, an incomplete checkpoint (no trainer_state.json)", path
+                )
+        if not complete:
+            raise SystemExit(
+                f"error: resume_from_checkpoint true, but output_dir {config.output_dir!r} holds no complete "
+                "checkpoint-N folder"
+            )
+        return complete[-1][1]
+    path = os.path.expanduser(str(value))
+    if not os.path.isdir(path):
+        raise SystemExit(f"error: resume_from_checkpoint {value!r} is not a folder")
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        raise SystemExit(
+            f"error: resume_from_checkpoint {value!r} is not a complete checkpoint (no trainer_state.json)"
+        )
+    return path
+
+
 def held_out(model, tokenizer, sources: Sources, run: RunArguments, config) -> dict:
     if sources.environment is None:
         kw = dict(
@@ -335,6 +383,7 @@ def count_parameters(model) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     run, config, model_args, trainer_cls = parse(argv)
     check_run(run, config, model_args)
+    checkpoint = resume_checkpoint(config)
     start = time.time()
     sources = load_sources(run, config)  # validates environment, dataset and rewards before any model is loaded
     print(f"training on {sources.described}")
@@ -369,7 +418,9 @@ def main(argv: list[str] | None = None) -> dict:
     if model_args.use_peft or quantization is not None:
         p = summary["parameters"]
         print(f"trainable parameters: {p['trainable']:,} of {p['total']:,} ({100 * p['trainable'] / p['total']:.2f}%)")
-    trainer.train()
+    if checkpoint is not None:
+        print(f"resuming from {checkpoint}")
+    trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(config.output_dir)
     if not run.skip_eval:
         model = trainer.accelerator.unwrap_model(trainer.model)

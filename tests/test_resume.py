@@ -1,0 +1,81 @@
+"""Resuming a train.py run: `resume_from_checkpoint` (a path, or `true` for the latest complete checkpoint) continues
+the run where the checkpoint left it, so the steps after it log what the uninterrupted run logged; bad values stop
+before any model is built."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import train
+
+BASE = ["--trainer", "grpo", "--environment", "shop", "--model_name_or_path", "tiny:shop"]
+BASE += ["--tiny_sft_steps", "1", "--tiny_num_demos", "32", "--num_train_tasks", "16", "--skip_eval", "true"]
+BASE += ["--per_device_train_batch_size", "4", "--num_generations", "2", "--max_turns", "2", "--max_turn_tokens", "8"]
+BASE += ["--max_completion_length", "64", "--learning_rate", "1e-2", "--lr_scheduler_type", "constant"]
+BASE += ["--logging_steps", "1", "--report_to", "none", "--use_cpu", "true", "--bf16", "false"]
+BASE += ["--activation_checkpointing", "false", "--seed", "0", "--max_steps", "4"]
+SAVE = ["--save_strategy", "steps", "--save_steps", "2"]
+
+
+def steps_of(out) -> dict[int, dict]:
+    log = json.loads((out / "summary.json").read_text())["log_history"]
+    return {row["step"]: row for row in log if "loss" in row}
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        ["--trainer", "grpo"],  # one optimizer step per generation batch
+        ["--trainer", "ppo", "--steps_per_generation", "2"],  # a value head, two steps per batch: save_steps 2 is a
+    ],  # batch boundary
+    ids=["grpo", "ppo"],
+)
+def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, monkeypatch, caplog, method):
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train.main([*BASE, *SAVE, *method, "--output_dir", str(whole)])
+    assert (whole / "checkpoint-2" / "trainer_state.json").exists()
+    # the run "was killed" after its step-2 checkpoint, and again while writing a later one (no trainer_state.json)
+    shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
+    (resumed / "checkpoint-3").mkdir()
+    with caplog.at_level("WARNING", logger="train"):
+        train.main([*BASE, *SAVE, *method, "--output_dir", str(resumed), "--resume_from_checkpoint", "true"])
+    assert any("checkpoint-3" in r.getMessage() and "incomplete" in r.getMessage() for r in caplog.records)
+    before, after = steps_of(whole), steps_of(resumed)
+    state = json.loads((resumed / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [row["step"] for row in state["log_history"] if "loss" in row] == [1, 2]  # what the checkpoint carried
+    assert sorted(after) == [1, 2, 3, 4]  # its history, then the steps the resumed run played
+    # steps 1-2 were not played again: their wall-clock step times are the checkpoint's, which a replay (the old
+    # behaviour, resume_from_checkpoint ignored) would have measured anew
+    assert [after[s]["step_time"] for s in (1, 2)] == [before[s]["step_time"] for s in (1, 2)]
+    for step in (3, 4):  # the same rollouts (sampler RNG restored) and the same updates
+        keys = [k for k, v in before[step].items() if isinstance(v, float) and not k.endswith(("_time", "runtime"))]
+        assert {"loss", "grad_norm"} <= set(keys)
+        for key in keys:  # every logged number but timings
+            assert after[step][key] == pytest.approx(before[step][key], rel=1e-6, abs=1e-9), (step, key)
+    assert any("env/success" in before[step] and "env/success" in after[step] for step in (3, 4))  # rollouts compared
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--resume_from_checkpoint", "/no/such/checkpoint"], "resume_from_checkpoint '/no/such/checkpoint' is not a"),
+        (["--resume_from_checkpoint", "true"], "holds no complete checkpoint-N folder"),
+        # 2 optimizer steps per generation batch: a checkpoint after step 3 would sit inside a batch
+        (["--steps_per_generation", "2", "--save_strategy", "steps", "--save_steps", "3"], "use save_steps 4"),
+    ],
+)
+def test_bad_resume_settings_stop_before_any_model_is_built(tmp_path, monkeypatch, extra, needle):
+    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before checking resume"))
+    with pytest.raises(SystemExit, match=needle):
+        train.main([*BASE, "--output_dir", str(tmp_path / "run"), *extra])
+
+
+def test_a_folder_without_trainer_state_is_not_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before checking resume"))
+    (tmp_path / "half").mkdir()
+    with pytest.raises(SystemExit, match="is not a complete checkpoint"):
+        train.main([*BASE, "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", str(tmp_path / "half")])
