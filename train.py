@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -29,7 +30,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 from envs import ENVIRONMENTS  # noqa: E402
@@ -380,6 +381,41 @@ def count_parameters(model) -> dict:
     return {"trainable": trainable, "total": total}
 
 
+class StopOnSignal(TrainerCallback):
+    """Ctrl-C or SIGTERM stops training at the next generation-batch boundary with a checkpoint there, so the run can
+    resume exactly (`resume_from_checkpoint`); a second signal stops at once. Installed by `main` around `train()`."""
+
+    def __init__(self, per_batch: int):
+        self.per_batch, self.requested = per_batch, None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a notebook worker): signals stay as they are
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested is not None:  # a second signal: stop now, as the default handler would
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        print(
+            f"\n{self.requested}: stopping at the next generation-batch boundary with a checkpoint (again: stop now)"
+        )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.requested is not None and state.global_step % self.per_batch == 0:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
 def main(argv: list[str] | None = None) -> dict:
     run, config, model_args, trainer_cls = parse(argv)
     check_run(run, config, model_args)
@@ -420,15 +456,24 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"trainable parameters: {p['trainable']:,} of {p['total']:,} ({100 * p['trainable'] / p['total']:.2f}%)")
     if checkpoint is not None:
         print(f"resuming from {checkpoint}")
-    trainer.train(resume_from_checkpoint=checkpoint)
+    updates_per_generation = config.num_iterations * config.steps_per_generation // config.gradient_accumulation_steps
+    with StopOnSignal(max(1, updates_per_generation)) as stop:
+        trainer.add_callback(stop)
+        trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(config.output_dir)
-    if not run.skip_eval:
+    if stop.requested is not None:
+        summary["interrupted"] = {"signal": stop.requested, "step": trainer.state.global_step}
+        summary["checkpoint"] = os.path.join(config.output_dir, f"checkpoint-{trainer.state.global_step}")
+        print(
+            f"stopped by {stop.requested} at step {trainer.state.global_step}; resume with --resume_from_checkpoint "
+            f"{summary['checkpoint']}"
+        )
+    if not run.skip_eval and stop.requested is None:
         model = trainer.accelerator.unwrap_model(trainer.model)
         summary["after"] = held_out(model, tokenizer, sources, run, config)
         print(f"held-out success after RL: {json.dumps(summary['after'])}")
     summary["wall_seconds"] = round(time.time() - start, 1)
     # new rollouts per optimizer step: one generation batch feeds num_iterations x (steps_per_generation / GA) steps
-    updates_per_generation = config.num_iterations * config.steps_per_generation // config.gradient_accumulation_steps
     summary["rollouts_per_step"] = config.generation_batch_size / max(1, updates_per_generation)  # global batch
     summary["log_history"] = trainer.state.log_history
     if trainer.accelerator.is_main_process:

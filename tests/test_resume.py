@@ -5,7 +5,9 @@ before any model is built."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 
 import pytest
 
@@ -79,3 +81,32 @@ def test_a_folder_without_trainer_state_is_not_a_checkpoint(tmp_path, monkeypatc
     (tmp_path / "half").mkdir()
     with pytest.raises(SystemExit, match="is not a complete checkpoint"):
         train.main([*BASE, "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", str(tmp_path / "half")])
+
+
+@pytest.mark.parametrize(
+    ("method", "stops_at"),
+    [(["--trainer", "grpo"], 1), (["--trainer", "ppo", "--steps_per_generation", "2"], 2)],
+    ids=["grpo", "ppo"],
+)
+def test_sigterm_stops_at_a_batch_boundary_with_a_checkpoint(tmp_path, monkeypatch, method, stops_at):
+    """SIGTERM during step 1 stops at the first generation-batch boundary (step 1 for GRPO, step 2 for PPO with two
+    steps per batch), with a complete checkpoint there, a summary that says so and no held-out evaluation after; the
+    run's signal handlers are put back afterwards."""
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
+    step_end = train.StopOnSignal.on_step_end
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real signal, through the handler main installed
+        return step_end(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(train.StopOnSignal, "on_step_end", on_step_end)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "run"
+    summary = train.main([*BASE, *method, "--output_dir", str(out), "--skip_eval", "false", "--num_eval_tasks", "2"])
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert summary["interrupted"] == {"signal": "SIGTERM", "step": stops_at}
+    assert summary["checkpoint"] == str(out / f"checkpoint-{stops_at}")
+    assert (out / f"checkpoint-{stops_at}" / "trainer_state.json").exists()
+    assert "before" in summary and "after" not in summary
+    assert max(steps_of(out)) == stops_at  # no step after the boundary
