@@ -738,99 +738,56 @@ class AlignOPSDTrainer(AgentGRPOTrainer):
         )
         self.credit = out
         metrics |= credit_metrics(out, batch.advantages, batch.turn_index, batch.turn_valid)
-        metrics |= self._metrics_of(
-            batch,
-            student,
-            teacher,
-            work,
-            live,
-            timeouts,
-            gen_tokens,
-            len(contexts),
-            stats,
-            g_sum,
-            theta,
-            valid_boundaries,
-            boundaries,
-            segs_per_row,
-            seg_lens,
-            seg_counts,
-            w_full,
-            fallback,
-            at_bound,
-            residuals,
-            no_pi,
-            all_groups,
+        metrics |= alignopsd_metrics(live, fallback, w_full, student, teacher, work, stats, g_sum, no_pi, all_groups)
+        metrics.update(
+            {
+                "alignopsd/teacher_timeouts": float(timeouts),
+                "alignopsd/teacher_gen_tokens_mean": gen_tokens / len(contexts) if contexts else math.nan,
+                "alignopsd/theta": theta,
+                "alignopsd/valid_boundary_frac": valid_boundaries / boundaries if boundaries else math.nan,
+                "alignopsd/segments_per_traj_mean": _mean(segs_per_row),
+                "alignopsd/segment_len_mean": _mean(seg_lens),
+                "alignopsd/projection_active_frac": _mean([float(x) for x in at_bound]),
+                "alignopsd/budget_residual_max": max(residuals) if residuals else math.nan,
+            }
         )
+        metrics |= {f"alignopsd/boundaries_{kind}": float(count) for kind, count in seg_counts.items()}
         for name, value in metrics.items():
             self.log_metric(name, value)
         return out.advantages
 
-    def _metrics_of(
-        self,
-        batch,
-        student,
-        teacher,
-        work,
-        live,
-        timeouts,
-        gen_tokens,
-        n_gen,
-        stats,
-        gaps,
-        theta,
-        valid_boundaries,
-        boundaries,
-        segs_per_row,
-        seg_lens,
-        seg_counts,
-        w_full,
-        fallback,
-        at_bound,
-        residuals,
-        no_pi,
-        all_groups,
-    ) -> dict[str, float]:
-        nan = math.nan
 
-        def mean(xs):
-            return sum(xs) / len(xs) if xs else nan
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
 
-        B, K = live.shape
-        turns = [(b, t) for b in range(B) for t in range(K) if bool(live[b, t])]
-        m = {
-            "alignopsd/empty_thinking_frac": mean([float(not student[b][t]) for b, t in turns]),
-            "alignopsd/teacher_empty_thinking_frac": mean(
-                [float(not teacher[b][t]) for b, t in turns if b in set(work)]
-            ),
-            "alignopsd/teacher_timeouts": float(timeouts),
-            "alignopsd/teacher_gen_tokens_mean": gen_tokens / n_gen if n_gen else nan,
-            "alignopsd/match_rate": stats["matched"] / stats["targets"] if stats["targets"] else nan,
-            "alignopsd/sources_per_turn_mean": mean(stats["sources"]),
-            "alignopsd/rho_mean": mean(stats["rho"]),
-            "alignopsd/alpha_mean": mean(stats["alpha"]),
-            "alignopsd/off_turn_share": mean(stats["off"]),
-            "alignopsd/turn_displacement_median": float(torch.tensor(stats["disp"]).float().median())
-            if stats["disp"]
-            else nan,
-            "alignopsd/gap_mean": mean(gaps),
-            "alignopsd/gap_abs_mean": mean([abs(x) for x in gaps]),
-            "alignopsd/theta": theta,
-            "alignopsd/valid_boundary_frac": valid_boundaries / boundaries if boundaries else nan,
-            "alignopsd/segments_per_traj_mean": mean(segs_per_row),
-            "alignopsd/segment_len_mean": mean(seg_lens),
-            "alignopsd/projection_active_frac": mean([float(x) for x in at_bound]),
-            "alignopsd/budget_residual_max": max(residuals) if residuals else nan,
-            "alignopsd/no_pi_frac": len(no_pi) / len(set(all_groups)) if all_groups else nan,
-        }
-        for q, name in ((0.1, "p10"), (0.5, "p50"), (0.9, "p90")):
-            sims = stats["sims"]
-            m[f"alignopsd/encoder_sim_{name}"] = float(torch.quantile(torch.tensor(sims), q)) if sims else nan
-        for kind, count in seg_counts.items():
-            m[f"alignopsd/boundaries_{kind}"] = float(count)
-        credited = ~fallback.cpu()
-        w = w_full[credited.unsqueeze(1).expand_as(w_full) & live.cpu()]
-        m["alignopsd/w_min"] = float(w.min()) if w.numel() else nan
-        m["alignopsd/w_max"] = float(w.max()) if w.numel() else nan
-        m["alignopsd/w_std"] = float(w.std(unbiased=False)) if w.numel() else nan
-        return m
+
+def alignopsd_metrics(live, fallback, w_full, student, teacher, work, stats, gaps, no_pi, groups) -> dict[str, float]:
+    """The texts', M1's and the weights' `alignopsd/*` metrics of one batch (alignopsd.md; `stats` is M1's tally)."""
+    nan = math.nan
+    B, K = live.shape
+    turns = [(b, t) for b in range(B) for t in range(K) if bool(live[b, t])]
+    worked = set(work)
+    m = {
+        "alignopsd/empty_thinking_frac": _mean([float(not student[b][t]) for b, t in turns]),
+        "alignopsd/teacher_empty_thinking_frac": _mean([float(not teacher[b][t]) for b, t in turns if b in worked]),
+        "alignopsd/match_rate": stats["matched"] / stats["targets"] if stats["targets"] else nan,
+        "alignopsd/sources_per_turn_mean": _mean(stats["sources"]),
+        "alignopsd/rho_mean": _mean(stats["rho"]),
+        "alignopsd/alpha_mean": _mean(stats["alpha"]),
+        "alignopsd/off_turn_share": _mean(stats["off"]),
+        "alignopsd/turn_displacement_median": float(torch.tensor(stats["disp"]).float().median())
+        if stats["disp"]
+        else nan,
+        "alignopsd/gap_mean": _mean(gaps),
+        "alignopsd/gap_abs_mean": _mean([abs(x) for x in gaps]),
+        "alignopsd/no_pi_frac": len(no_pi) / len(set(groups)) if groups else nan,
+    }
+    sims = stats["sims"]
+    for q, name in ((0.1, "p10"), (0.5, "p50"), (0.9, "p90")):
+        m[f"alignopsd/encoder_sim_{name}"] = float(torch.quantile(torch.tensor(sims), q)) if sims else nan
+    credited = ~fallback.cpu()
+    w = w_full[credited.unsqueeze(1).expand_as(w_full) & live.cpu()]
+    m["alignopsd/w_min"] = float(w.min()) if w.numel() else nan
+    m["alignopsd/w_max"] = float(w.max()) if w.numel() else nan
+    m["alignopsd/w_std"] = float(w.std(unbiased=False)) if w.numel() else nan
+    return m
