@@ -304,7 +304,7 @@ def hf_generate(
             ids, mask, cache = prefix.inputs(contexts, pad, model.device)
             prefix.cache = None  # a failed call must not leave a half-updated record behind
         else:
-            (ids, mask), cache = _left_padded(contexts, pad, model.device), None
+            (ids, mask), cache = left_padded(contexts, pad, model.device), None
         width = ids.shape[1]
         config = GenerationConfig(
             do_sample=do_sample,
@@ -373,7 +373,7 @@ class _PrefixCache:
         """(input_ids, attention_mask, cache or None) of a generate call on `contexts`."""
         matched = self._match(contexts)
         if matched is None:
-            return *_left_padded([list(c) for c in contexts], pad, device), None
+            return *left_padded([list(c) for c in contexts], pad, device), None
         rows, kept = zip(*matched, strict=True)
         width = self.sequences.shape[1]
         start = width - self.sequences_new  # first sampled position of the last call
@@ -382,7 +382,7 @@ class _PrefixCache:
         for j, n in enumerate(kept):
             base_mask[j, start + n :] = 0  # sampled ids the episode did not keep, or that are fed again below
         tails = [c[len(self.contexts[row]) + n :] for c, row, n in zip(contexts, rows, kept, strict=True)]
-        tail_ids, tail_mask = _left_padded(tails, pad, device)
+        tail_ids, tail_mask = left_padded(tails, pad, device)
         ids = torch.cat([self.sequences[list(rows), : width - 1], tail_ids], 1)
         return ids, torch.cat([base_mask, tail_mask], 1), self.cache
 
@@ -423,7 +423,8 @@ class _PrefixCache:
         self.cache, self.cache_device = cache, sequences.device
 
 
-def _left_padded(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows left-padded with `pad` to the longest, and their attention mask: (ids, mask), each (len(rows), width)."""
     width = max(len(r) for r in rows)
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)

@@ -40,11 +40,11 @@ from accelerate.utils import gather_object
 from torch import Tensor
 
 from rewards.judge import strip_reasoning
-from trainers.agent_loop import render_prompt_ids
+from trainers.agent_loop import left_padded, render_prompt_ids
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
 from trainers.credit import credit_metrics, redistribute_multiplicative, turn_token_counts
 from trainers.encoder import build_encoder, calibration
-from trainers.teacher import _left_pad, score_after_prefixes, teacher_logps, with_privileged_block
+from trainers.teacher import score_after_prefixes, teacher_logps, with_privileged_block
 
 logger = logging.getLogger(__name__)
 
@@ -484,7 +484,7 @@ class AlignOPSDTrainer(AgentGRPOTrainer):
                 if left <= 0:
                     timeouts += len(chunk)
                     continue
-                ids, mask = _left_pad(chunk, pad, self.accelerator.device)
+                ids, mask = left_padded(chunk, pad, self.accelerator.device)
                 config = GenerationConfig(
                     do_sample=True,
                     temperature=self.temperature,

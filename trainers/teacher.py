@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trainers.agent_loop import left_padded, render_prompt_ids
+
 SOURCES = ("policy", "reference")
 
 
@@ -55,17 +57,6 @@ class TeacherOutput:
     without_block: Tensor  # (B, T) the same forward without the block (same routine, same chunking)
     rows: Tensor  # (B,) bool, the rows that had a block and were scored
     prompt_tokens_added: Tensor  # (B,) int, prompt length with the block minus without
-
-
-def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long, device=device)
-            mask[i, width - len(s) :] = 1
-    return ids, mask
 
 
 def reference_context(trainer, model):
@@ -122,8 +113,6 @@ def teacher_logps(
     picked = rows.nonzero().flatten().tolist()
     if not picked:
         return out
-    from trainers.agent_loop import render_prompt_ids
-
     tok = trainer.processing_class
     tok = getattr(tok, "tokenizer", tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -147,7 +136,7 @@ def teacher_logps(
     try:
         with context, trainer.free_routing():  # MoE: the sampler's routes belong to another context; route freely
             for prompts, target in ((privileged, out.with_block), (plain, out.without_block)):
-                prompt_ids, prompt_mask = _left_pad(prompts, pad_id, device)
+                prompt_ids, prompt_mask = left_padded(prompts, pad_id, device)
                 input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # Eq. 2: the rollout's own ids
                 attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
                 logps, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, T, size)
