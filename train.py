@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from functools import partial
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
@@ -37,9 +39,11 @@ from envs import ENVIRONMENTS  # noqa: E402
 from envs.base import row_task  # noqa: E402
 from envs.sources import EnvironmentSource, check_environment, load_environment, load_splits  # noqa: E402
 from envs.tiny import is_tiny, tiny_dataset_model, tiny_model  # noqa: E402
+from rewards.judge import check_endpoint  # noqa: E402
 from rewards.loading import REWARD_NAMES, load_reward_funcs  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 from trainers.agent_loop import LoopSettings, evaluate, evaluate_prompts  # noqa: E402
+from trainers.base import NoRewardSignal  # noqa: E402
 from trainers.reporting import plot_curves, write_summary  # noqa: E402
 
 HELD_OUT = ("before", "after")
@@ -130,7 +134,14 @@ def load_sources(run: RunArguments, config) -> Sources:
         run.environment = None  # single-turn training on the dataset's prompts
     elif run.environment is None and run.dataset_name is None:
         run.environment = "shop"
-    kwargs = json.loads(run.environment_kwargs) if isinstance(run.environment_kwargs, str) else run.environment_kwargs
+    kwargs = run.environment_kwargs
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: environment_kwargs {kwargs!r} is not JSON ({e})") from e
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise SystemExit(f"error: environment_kwargs must be a mapping of keyword arguments, got {kwargs!r}")
     source = load_environment(run.environment, kwargs, run.difficulty) if run.environment else None
     reward_funcs = load_reward_funcs(run.reward_funcs, config.max_completion_length) if run.reward_funcs else None
     if source is None and reward_funcs is None:
@@ -154,10 +165,6 @@ def load_sources(run: RunArguments, config) -> Sources:
                 "dataset_name (one task per row: a `task` column, or the row itself)"
             )
         n_train = 2000 if run.num_train_tasks is None else run.num_train_tasks
-        if n_train < 1 or run.num_eval_tasks < 1:
-            raise SystemExit(
-                f"error: num_train_tasks ({n_train}) and num_eval_tasks ({run.num_eval_tasks}) must both be >= 1"
-            )
         train_tasks = source.make_tasks("train", n_train, seed=run.task_seed, difficulty=run.difficulty)
         eval_tasks = source.make_tasks("eval", run.num_eval_tasks, seed=run.task_seed, difficulty=run.difficulty)
         check_environment(source, train_tasks[0])
@@ -171,8 +178,6 @@ def load_sources(run: RunArguments, config) -> Sources:
         run.task_seed,
     )
     if run.num_train_tasks is not None:
-        if run.num_train_tasks < 1:
-            raise SystemExit(f"error: num_train_tasks must be >= 1, got {run.num_train_tasks}")
         train = train.select(range(min(run.num_train_tasks, len(train))))
     test = test.select(range(min(run.num_eval_tasks, len(test))))
     described = f"{run.dataset_name}: {len(train)} training rows, {len(test)} held-out rows ({where})"
@@ -192,30 +197,45 @@ def load_sources(run: RunArguments, config) -> Sources:
     return Sources(source, train, [row_task(row) for row in test], reward_funcs, described)
 
 
+#: Most tasks a run generates: making and resetting tasks is not free (about 4,000 a second on tiny:shop), and
+#: evaluation plays every held-out task several times; above these a mistyped number would stall start-up for minutes.
+MAX_TRAIN_TASKS, MAX_EVAL_TASKS = 200_000, 20_000
+
+
 def check_run(run: RunArguments, config, model_args) -> None:
     """Fields whose bad values would otherwise fail late (after a model load, or at the final save), crash without
-    naming themselves, or train on nothing: each stops here with a message naming the field."""
+    naming themselves, stall, or train on nothing: each stops here with a message naming the field. (The trainer
+    configs check their own fields when they are built; see `trainers.base.check_sampling_and_batches`.)"""
     problems = [
         f"{name} must be >= {low}, got {value}"
         for name, value, low in [
             ("eval_samples", run.eval_samples, 1),
             ("eval_batch_size", run.eval_batch_size, 1),
-            ("num_generations", config.num_generations, 2),
-            ("num_iterations", config.num_iterations, 1),
-            ("learning_rate", config.learning_rate, 0),
+            ("num_train_tasks", run.num_train_tasks, 1),
+            ("num_eval_tasks", run.num_eval_tasks, 1),
+            ("tiny_sft_steps", run.tiny_sft_steps, 0),
+            ("tiny_num_demos", run.tiny_num_demos, 1),
         ]
-        if value < low
+        if value is not None and value < low
     ]
+    for name, value, most in [
+        ("num_train_tasks", run.num_train_tasks, MAX_TRAIN_TASKS),
+        ("num_eval_tasks", run.num_eval_tasks, MAX_EVAL_TASKS),
+    ]:
+        if value is not None and value > most:
+            problems.append(f"{name} {value:,} is more than the {most:,} a run generates; give a smaller number")
     if config.max_steps == 0:
         problems.append("max_steps 0 trains nothing; give a positive number (or -1 to train by num_train_epochs)")
-    name = model_args.model_name_or_path
-    if (
-        name
-        and not is_tiny(name)
-        and name.startswith(("/", "./", "../", "~"))
-        and not os.path.isdir(os.path.expanduser(name))
-    ):
-        problems.append(f"model_name_or_path {name!r} is not a folder")
+    if getattr(model_args, "use_peft", False) and model_args.lora_r < 1:
+        problems.append(f"lora_r must be >= 1 with use_peft, got {model_args.lora_r}")
+    if problem := model_problem(model_args.model_name_or_path):
+        problems.append(problem)
+    for role in ("judge", "analyzer"):  # an API judge that cannot answer would make every reward None
+        if getattr(config, f"{role}_backend", None) == "openai":
+            base_url, key_env = getattr(config, f"{role}_base_url"), getattr(config, f"{role}_api_key_env")
+            timeout = min(float(getattr(config, f"{role}_timeout", 30.0)), 30.0)
+            if problem := check_endpoint(base_url, key_env, timeout):
+                problems.append(f"{role}_base_url / {role}_api_key_env: {problem}")
     if problems:
         raise SystemExit("error: " + "; ".join(problems))
     try:  # a run that cannot save its model must not train first
@@ -224,6 +244,8 @@ def check_run(run: RunArguments, config, model_args) -> None:
             pass
     except OSError as e:
         raise SystemExit(f"error: output_dir {config.output_dir!r} cannot be written: {e}") from e
+    if problem := disk_problem(config.output_dir, model_args.model_name_or_path, model_args.use_peft):
+        raise SystemExit(f"error: {problem}")
     multi_turn = run.dataset_name is None or (run.environment or "none").lower() != "none"
     if multi_turn and config.max_completion_length < 2 * config.max_turn_tokens:
         logger.warning(
@@ -232,6 +254,65 @@ def check_run(run: RunArguments, config, model_args) -> None:
             config.max_completion_length,
             config.max_turn_tokens,
         )
+
+
+MIN_FREE_BYTES = 100 * 2**20  # the floor of free space: a tiny run's checkpoints and summary take a few MiB
+
+
+def disk_problem(output_dir: str, model: str | None, use_peft: bool) -> str | None:
+    """Whether output_dir's disk can hold what the run writes, judged before training: a checkpoint holds the weights
+    and, without LoRA, Adam's two moments (3x the weights), and the final model once more. Weights are known for a
+    model folder; otherwise only the floor (`MIN_FREE_BYTES`) is checked. A full disk mid-save leaves an incomplete
+    checkpoint, which resuming skips (`checkpoint_complete`), but the time since the last checkpoint is lost."""
+    free = shutil.disk_usage(output_dir).free
+    weights = 0
+    if model and os.path.isdir(os.path.expanduser(model)):
+        folder = os.path.expanduser(model)
+        weights = sum(
+            os.path.getsize(os.path.join(folder, f))
+            for f in os.listdir(folder)
+            if f.endswith((".safetensors", ".bin"))
+        )
+    need = max(MIN_FREE_BYTES, (weights // 10 if use_peft else 4 * weights))
+    if free < need:
+        return (
+            f"output_dir {output_dir!r} has {free / 2**20:,.0f} MiB free; a checkpoint and the final model need about "
+            f"{need / 2**20:,.0f} MiB. Free space or choose another output_dir"
+        )
+    return None
+
+
+def model_problem(name: str | None) -> str | None:
+    """Why `model_name_or_path` cannot be loaded, found without loading it; None when it looks loadable."""
+    if not name:
+        return None  # asked for after the data is checked (main)
+    if is_tiny(name):
+        kind, _, env = name.partition(":")
+        if env and env not in ENVIRONMENTS:
+            return (
+                f"model_name_or_path {name!r}: no tiny default for {env!r}; use {kind}:<one of {sorted(ENVIRONMENTS)}>"
+            )
+        return None
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            return f"model_name_or_path {name!r} is a folder without config.json, not a saved model"
+        return None
+    if name.startswith(("/", "./", "../", "~")) or os.path.exists(path):
+        return f"model_name_or_path {name!r} is not a folder"
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return f"model_name_or_path {name!r} is neither a folder nor a Hub model id (owner/name)"
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return (
+            f"model_name_or_path {name!r} is not a folder and not in the local Hugging Face cache, and HF_HUB_OFFLINE "
+            "forbids a download"
+        )
+    return None
 
 
 def resume_checkpoint(config) -> str | None:
@@ -260,11 +341,12 @@ def resume_checkpoint(config) -> str | None:
                 path = os.path.join(config.output_dir, entry)
                 if entry.startswith("checkpoint-") and entry[11:].isdigit() and os.path.isdir(path):
                     found.append((int(entry[11:]), path))
-        complete = [(n, p) for n, p in sorted(found) if os.path.isfile(os.path.join(p, "trainer_state.json"))]
+        complete = [(n, p) for n, p in sorted(found) if checkpoint_complete(p)]
         for n, path in sorted(found):
             if (n, path) not in complete:
                 logger.warning(
-                    "resume_from_checkpoint: skipping %s, an incomplete checkpoint (no trainer_state.json)", path
+                    "resume_from_checkpoint: skipping %s, an incomplete checkpoint (no readable trainer_state.json)",
+                    path,
                 )
         if not complete:
             raise SystemExit(
@@ -275,11 +357,21 @@ def resume_checkpoint(config) -> str | None:
     path = os.path.expanduser(str(value))
     if not os.path.isdir(path):
         raise SystemExit(f"error: resume_from_checkpoint {value!r} is not a folder")
-    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+    if not checkpoint_complete(path):
         raise SystemExit(
-            f"error: resume_from_checkpoint {value!r} is not a complete checkpoint (no trainer_state.json)"
+            f"error: resume_from_checkpoint {value!r} is not a complete checkpoint (no readable trainer_state.json)"
         )
     return path
+
+
+def checkpoint_complete(path: str) -> bool:
+    """Whether a checkpoint folder was written to the end: the trainer writes trainer_state.json last, so a run killed
+    while saving leaves it missing, or cut short (not JSON)."""
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            return isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def held_out(model, tokenizer, sources: Sources, run: RunArguments, config) -> dict:
@@ -320,18 +412,87 @@ def check_report_to(config) -> None:
         )
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML loader that refuses a key given twice in one mapping (PyYAML would keep the last value silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise SystemExit(
+                    f"error: config {self.name}: {key!r} is set twice (lines {seen[key]} and "
+                    f"{key_node.start_mark.line + 1}); keep one"
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def check_config_file(argv: list[str]) -> None:
+    """The `--config` file exists, is YAML, is a mapping and sets no key twice, checked before TrlParser reads it."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            continue
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: config {path!r} does not exist")
+        with open(path) as f:
+            loader = _UniqueKeyLoader(f)
+            loader.name = path
+            try:
+                data = loader.get_single_data()
+            except yaml.YAMLError as e:
+                raise SystemExit(f"error: config {path!r} is not valid YAML: {e}") from e
+            finally:
+                loader.dispose()
+        if data is not None and not isinstance(data, dict):
+            raise SystemExit(
+                f"error: config {path!r} must be a YAML mapping (field: value lines), got a {type(data).__name__}"
+            )
+
+
+def join_negative_numbers(argv: list[str]) -> list[str]:
+    """`--field -1e-3` as `--field=-1e-3`: argparse reads a value such as -1e-3 (not a plain -1 or -0.5) as an option
+    and reports the field as missing its value."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and arg.startswith("-") and _is_number(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def parse(argv: list[str] | None = None):
-    argv = sys.argv[1:] if argv is None else argv
+    argv = join_negative_numbers(sys.argv[1:] if argv is None else argv)
+    check_config_file(argv)
     wants_help = any(a in ("-h", "--help") for a in argv)
     probe_argv = [a for a in argv if a not in ("-h", "--help")]  # --help lists the chosen trainer's fields too
-    probe, _ = TrlParser((RunArguments,)).parse_args_and_config(probe_argv, return_remaining_strings=True)
+    try:
+        probe, _ = TrlParser((RunArguments,)).parse_args_and_config(probe_argv, return_remaining_strings=True)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
     if probe.trainer not in TRAINERS:
         raise SystemExit(f"error: trainer {probe.trainer!r} is unknown; choose one of {sorted(TRAINERS)}")
     trainer_cls, config_cls = TRAINERS[probe.trainer]
     parser = TrlParser((RunArguments, config_cls, ModelConfig))
     if wants_help:
         parser.parse_args(["--help"])
-    run, config, model_args = parser.parse_args_and_config(argv)
+    try:  # the configs check their fields when built; their ValueErrors name the field
+        run, config, model_args = parser.parse_args_and_config(argv)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
     if run.environment is not None and run.environment.lower() != "none":  # resolves the name or path; builds nothing
         load_environment(run.environment, {}, run.difficulty)
     check_report_to(config)
@@ -421,9 +582,17 @@ def main(argv: list[str] | None = None) -> dict:
     check_run(run, config, model_args)
     checkpoint = resume_checkpoint(config)
     start = time.time()
-    sources = load_sources(run, config)  # validates environment, dataset and rewards before any model is loaded
+    try:  # validates environment, dataset and rewards before any model is loaded
+        sources = load_sources(run, config)
+    except ValueError as e:  # e.g. an environment refusing a difficulty
+        raise SystemExit(f"error: {e}") from e
     print(f"training on {sources.described}")
     name = model_args.model_name_or_path
+    if not name:
+        raise SystemExit(
+            "error: model_name_or_path is required: a model folder, a Hub id, or the tiny default (tiny:<env> for an "
+            "environment, tiny for a dataset)"
+        )
     model_args.model_name_or_path = resolve_model(name, run, sources)
     quantization = get_quantization_config(model_args)
     config.model_init_kwargs = {
@@ -459,7 +628,14 @@ def main(argv: list[str] | None = None) -> dict:
     updates_per_generation = config.num_iterations * config.steps_per_generation // config.gradient_accumulation_steps
     with StopOnSignal(max(1, updates_per_generation)) as stop:
         trainer.add_callback(stop)
-        trainer.train(resume_from_checkpoint=checkpoint)
+        try:
+            trainer.train(resume_from_checkpoint=checkpoint)
+        except NoRewardSignal as err:  # the trainer saved a checkpoint; keep the summary so far, then stop loudly
+            summary["stopped"] = {"reason": "no reward signal", "step": trainer.state.global_step, "error": str(err)}
+            summary["log_history"] = trainer.state.log_history
+            if trainer.accelerator.is_main_process:
+                write_summary(os.path.join(config.output_dir, "summary.json"), summary)
+            raise SystemExit(f"error: {err}") from err
     trainer.save_model(config.output_dir)
     if stop.requested is not None:
         summary["interrupted"] = {"signal": stop.requested, "step": trainer.state.global_step}

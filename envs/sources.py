@@ -105,6 +105,11 @@ def check_environment(source: EnvironmentSource, task: dict) -> None:
     """Play one throwaway step on a fresh environment, so a wrong protocol fails at start-up and not mid-training."""
     try:
         env = source.factory(task)
+    except TypeError as e:  # e.g. a keyword the class does not take
+        raise SystemExit(
+            f"error: environment {source.name!r} cannot be built from environment_kwargs ({type(e).__name__}: {e})"
+        ) from e
+    try:
         first = env.reset(task)
     except Exception as e:
         raise SystemExit(

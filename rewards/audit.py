@@ -41,7 +41,7 @@ from typing import Any
 import pydantic
 from tqdm.auto import tqdm
 
-from rewards.judge import Judge, JudgeConfig
+from rewards.judge import Judge, JudgeConfig, check_endpoint
 
 # key -> (weight w_d, critical minimum or None); t1.md §4.6 table and D17
 DIMENSIONS: dict[str, tuple[float, int | None]] = {
@@ -442,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     seen = {str(r["task_id"]) for r in done}
     todo = [t for t in tasks if str(t["task_id"]) not in seen][: args.limit]
     print(f"{len(tasks)} tasks, {len(seen)} already audited, {len(todo)} to audit", file=sys.stderr)
+    if todo and (problem := check_endpoint(args.base_url, args.api_key_env, timeout=min(args.timeout, 30.0))):
+        raise SystemExit(f"error: --base_url / --api_key_env: {problem}")
     judge = Judge(
         JudgeConfig(
             model=args.model,
@@ -462,6 +464,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report = summarize(read_records(out / "accepted.jsonl") + read_records(out / "rejected.jsonl"))
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(report), file=sys.stderr)
+    new_ids = {str(t["task_id"]) for t in todo}
+    failed = [r for r in read_records(out / "rejected.jsonl") if str(r["task_id"]) in new_ids]
+    if todo and sum(r.get("initial_verdict") is None for r in failed) == len(todo):
+        raise SystemExit(
+            f"error: every one of the {len(todo)} audit calls failed (audit_failed); the auditor at {args.base_url} "
+            "answered nothing usable. The records are kept; rerun with --retry_failed once it works"
+        )
     return report
 
 

@@ -631,6 +631,30 @@ class BaseJudge(abc.ABC):
         self.close()
 
 
+def check_endpoint(base_url: str | None, api_key_env: str, timeout: float = 10.0) -> str | None:
+    """Why an OpenAI-compatible endpoint cannot serve a judge, or None when it answers. One `GET /models` with the key
+    read from `api_key_env`: a refused, unresolvable or timed-out connection and a 401/403 are reasons; any other
+    answer, a 404 or 501 from a server without that route included, means the server is there. Run at start-up, so a
+    wrong `base_url` or key stops a run before a model is loaded, not after every reward came back None."""
+    api_key = os.environ.get(api_key_env)
+    where = f"the endpoint {base_url}" if base_url else "the OpenAI API"
+    if base_url is None and not api_key:
+        return f"environment variable {api_key_env} is not set, and {where} needs a key"
+    client = openai.OpenAI(api_key=api_key or "EMPTY", base_url=base_url, timeout=timeout, max_retries=0)
+    try:
+        client.models.list()
+    except (openai.AuthenticationError, openai.PermissionDeniedError) as err:
+        given = f"the key in {api_key_env}" if api_key else f"no key ({api_key_env} is not set)"
+        return f"{where} answered HTTP {err.status_code} to {given}"
+    except openai.APIConnectionError as err:  # refused, unresolvable, reset or timed out
+        return f"{where} cannot be reached ({type(err).__name__}: {err.__cause__ or err})"
+    except openai.APIStatusError:
+        return None
+    finally:
+        client.close()
+    return None
+
+
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()

@@ -51,7 +51,7 @@ def load_reward_funcs(names: list[str], max_completion_length: int = 256) -> lis
             funcs.append(func)
         else:
             raise SystemExit(
-                f"error: reward function {name!r} is unknown; use one of {sorted(REWARD_NAMES)} or an import path "
+                f"error: reward_funcs entry {name!r} is unknown; use one of {sorted(REWARD_NAMES)} or an import path "
                 "(package.module.function)"
             )
     return funcs

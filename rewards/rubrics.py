@@ -567,19 +567,19 @@ class RubricPipeline:
 
     # -- stages -------------------------------------------------------------------------------------------------------
 
-    async def task_rubric(self, task_key: str, task: str) -> list[TaskCriterion]:
+    async def task_rubric(self, task_key: str, task: str) -> list[TaskCriterion] | None:
         """S1, cached per (task, prompt hash, judge identity, template version) for the run (D9); failures not cached.
-        Concurrent requests for one key share one call."""
+        Concurrent requests for one key share one call. None: the judge failed."""
         key = (task_key, hashlib.sha256(task.encode()).hexdigest()[:16], self.judge_id, TEMPLATE_VERSION)
         if key in self._task_cache:
             return self._task_cache[key]
 
-        async def ask() -> list[TaskCriterion]:
+        async def ask() -> list[TaskCriterion] | None:
             messages = task_rubric_messages(task, self.notes)
             result = await self._ask("task", messages, TaskCriteria, lambda r: (r.criteria, None))
-            criteria = self._limit("task", result or [])
-            if result is not None:  # failures are not cached (D9)
-                self._task_cache[key] = criteria
+            if result is None:  # failures are not cached (D9)
+                return None
+            criteria = self._task_cache[key] = self._limit("task", result)
             return criteria
 
         pending = self._task_pending.get(key)
@@ -588,11 +588,13 @@ class RubricPipeline:
             pending.add_done_callback(lambda _: self._task_pending.pop(key, None))
         return await asyncio.shield(pending)
 
-    async def rollout_rubric(self, task: str, steps: str, existing: list[TaskCriterion]) -> list[RolloutCriterion]:
-        """S2 for one rollout; a failure contributes no candidates."""
+    async def rollout_rubric(
+        self, task: str, steps: str, existing: list[TaskCriterion]
+    ) -> list[RolloutCriterion] | None:
+        """S2 for one rollout; a failure (None) contributes no candidates."""
         messages = rollout_rubric_messages(task, steps, existing, self.notes)
         result = await self._ask("rollout", messages, RolloutCriteria, lambda r: (r.criteria, None))
-        return self._limit("rollout", result or [])
+        return None if result is None else self._limit("rollout", result)
 
     async def merge(
         self, task: str, s1: list[TaskCriterion], s2: list[list[RolloutCriterion]], rollouts: list[str]
@@ -654,12 +656,16 @@ class RubricPipeline:
     async def score_group(self, group: GroupInput) -> GroupResult:
         """Stages S1, S2, union and scoring of one group, then dropout (Eq. 1) and rewards (Eq. 2)."""
         steps = [render_steps(t) for t in group.transcripts]
-        s1 = await self.task_rubric(group.task_key, group.task)
-        s2 = list(await asyncio.gather(*(self.rollout_rubric(group.task, s, s1) for s in steps)))
+        asked = await self.task_rubric(group.task_key, group.task)
+        s1 = asked or []
+        answered = list(await asyncio.gather(*(self.rollout_rubric(group.task, s, s1) for s in steps)))
+        s2 = [c or [] for c in answered]
         merged = await self.merge(group.task, s1, s2, steps)
         if merged:
             scored = await asyncio.gather(*(self.score(group.task, s, merged) for s in steps))
-        else:  # nothing to score: R = 0 for every rollout (§7 item 16), no calls
+        elif asked is None and all(c is None for c in answered):  # no criteria because every call failed: the group
+            scored = [None for _ in steps]  # is unscorable, not a group the judge found nothing to test in
+        else:  # the judge proposed nothing to score: R = 0 for every rollout (§7 item 16), no calls
             scored = [([], []) for _ in steps]
         verdicts = [None if s is None else s[0] for s in scored]
         evidence = [[] if s is None else s[1] for s in scored]

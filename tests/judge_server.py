@@ -81,6 +81,19 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass  # silent: the server never writes requests (or their headers) anywhere
 
+    def do_GET(self) -> None:
+        """`GET /v1/models`, the start-up probe of `rewards.judge.check_endpoint`; answered with `models_status`."""
+        owner = self.server.owner
+        owner.model_probes += 1
+        if self.path.rstrip("/") != "/v1/models":
+            self._send(404, json.dumps({"error": {"message": "not found"}}).encode(), {})
+        elif owner.models_status != 200:
+            message = {"error": {"message": f"scripted {owner.models_status}", "type": "test"}}
+            self._send(owner.models_status, json.dumps(message).encode(), {})
+        else:
+            listing = {"object": "list", "data": [{"id": "judge", "object": "model", "created": 0, "owned_by": "t"}]}
+            self._send(200, json.dumps(listing).encode(), {})
+
     def do_POST(self) -> None:
         owner = self.server.owner
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -133,6 +146,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _Server(ThreadingHTTPServer):
+    request_queue_size = 128  # a judge opens many connections at once; the default backlog of 5 turns some away
     daemon_threads = True
     block_on_close = False
     owner: JudgeServer
@@ -143,7 +157,9 @@ class JudgeServer:
 
     def __init__(self, default: Callable[[Any], Reply] | None = None) -> None:
         self.default = default or (lambda body: Reply())
-        self.requests: list[RecordedRequest] = []
+        self.requests: list[RecordedRequest] = []  # chat completions only
+        self.models_status = 200  # status of `GET /v1/models` (401: a rejected key)
+        self.model_probes = 0
         self.in_flight = 0
         self.max_in_flight = 0
         self._queue: deque[Reply] = deque()

@@ -73,6 +73,14 @@ def test_patience_is_respected():
     assert feed(CollapseAlarm(max_turn_tokens=24, patience=1), truncated=drop) == [(1, "truncated")]
 
 
+def test_no_variance_needs_no_healthy_batch_first_and_its_streak_breaks():
+    alarm = CollapseAlarm(max_turn_tokens=24)
+    zero_std = [1.0, 1.0, 0.96, 0.5, 1.0, 1.0, 1.0, 0.95, 1.0, 1.0]  # a streak of 3, broken; then 5 from index 4
+    fired = [i for i, z in enumerate(zero_std) if alarm.update(6.0, 0.5, 0.0, z)]
+    assert fired == [8] and [a.kind for a in alarm.update(6.0, 0.5, 0.0, 1.0)] == []  # once per run
+    assert "frac_reward_zero_std" in alarm._alarm("no_variance").message
+
+
 def test_healthy_run_fires_nothing():
     # GRPO on tiny:shop: turns of 5-9 tokens, truncated 0.8 -> 0.3, success 0.1 -> 0.6, with noise
     tokens = [5.1, 5.6, 6.3, 7.9, 9.1, 8.2, 6.8, 6.4, 6.2, 6.5]
@@ -88,7 +96,7 @@ def test_each_kind_fires_at_most_once_and_all_can_fire_together():
     fired = feed(alarm, tokens=[5.0, 9.5, 9.5, 9.5], truncated=[0.5, 1.0, 1.0, 1.0], success=[0.3, 0.0, 0.0, 0.0])
     assert sorted(fired) == [(3, "capped_turns"), (3, "success"), (3, "truncated")]
     assert feed(alarm, tokens=[1.0] * 6, truncated=[1.0] * 6, success=[0.0] * 6) == [(2, "short_turns")]
-    assert {k for _, k in fired} | {"short_turns"} == set(KINDS)
+    assert {k for _, k in fired} | {"short_turns", "no_variance"} == set(KINDS)  # no_variance: its own test
 
 
 @pytest.mark.parametrize(
@@ -111,8 +119,9 @@ def test_replay_of_stored_runs():
     # env/truncated at steps 50, 55, 60, 65: 0.867, 0.969, 1.0, 1.0 -> 55, 60, 65 in a row, fires at 65
     # env/success at steps 50-70: 0.102, 0.026, 0.0, 0.0, 0.0 -> 0.026 > 0.02, so 60, 65, 70: fires at 70
     # mean_length / turns at steps 95-110: 16.5/8 = 2.06, 1.97, 1.79, 1.52 -> 100, 105, 110 <= 2: fires at 110
+    # frac_reward_zero_std at steps 55-80: 0.948, then 1.0 from 60 on -> 60, 65, 70, 75, 80 >= 0.95: fires at 80
     fired = [(step, a.kind) for step, a in replay(collapsed["log_history"], max_turn_tokens=24)]
-    assert fired == [(65, "truncated"), (70, "success"), (110, "short_turns")]
+    assert fired == [(65, "truncated"), (70, "success"), (80, "no_variance"), (110, "short_turns")]
     healthy = json.loads((RESULTS / "shop_methods" / "quickstart-s0" / "summary.json").read_text())
     # tokens per turn 5.8-8.0, truncated <= 0.77, success >= 0.09: nowhere near a band
     assert replay(healthy["log_history"], max_turn_tokens=24) == []

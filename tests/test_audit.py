@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import socket
 
 import pytest
 
@@ -184,8 +185,10 @@ def test_audit_rejects_planted_tasks_repairs_and_resumes(audit_env):
     before = (tmp_path / "out/accepted.jsonl").read_text(), (tmp_path / "out/rejected.jsonl").read_text()
     assert run() == summary and len(server.requests) == 9
     assert before == ((tmp_path / "out/accepted.jsonl").read_text(), (tmp_path / "out/rejected.jsonl").read_text())
-    # --retry_failed asks again only for the fail-closed task, and keeps one record of it
-    run("out", "--retry_failed")
+    # --retry_failed asks again only for the fail-closed task, and keeps one record of it; as it fails again, every
+    # call of this run failed, which ends the run with an error
+    with pytest.raises(SystemExit, match="every one of the 1 audit calls failed"):
+        run("out", "--retry_failed")
     assert len(server.requests) == 9 + 3
     assert [r["task_id"] for r in read(tmp_path / "out/rejected.jsonl")].count("broken-1") == 1
 
@@ -221,3 +224,26 @@ def test_bad_input_is_named(tmp_path, content, needle):
         main(
             ["--tasks", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path), "--base_url", "http://x", "--model", "m"]
         )
+
+
+def test_an_unreachable_or_refusing_auditor_stops_with_an_error(audit_env, tmp_path):
+    """A wrong base_url or a rejected key stops before any task is audited; an auditor that answers every task with
+    nothing usable ends the run with an error (the fail-closed records are kept for --retry_failed)."""
+    run, server, _ = audit_env
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now: connections are refused
+    args = ["--tasks", str(tmp_path / "tasks.jsonl"), "--model", "m", "--api_key_env", KEY_ENV, "--no_progress"]
+    with pytest.raises(SystemExit, match="cannot be reached"):
+        main([*args, "--out", str(tmp_path / "refused"), "--base_url", f"http://127.0.0.1:{port}/v1"])
+    assert not (tmp_path / "refused" / "rejected.jsonl").exists()
+    server.models_status = 401
+    with pytest.raises(SystemExit, match=f"answered HTTP 401 to the key in {KEY_ENV}"):
+        run("rejected")
+    assert server.requests == []
+    server.models_status = 200  # the probe passes, but every audit answer is unusable
+    server.default = lambda body: ok("no JSON here")
+    with pytest.raises(SystemExit, match=f"every one of the {len(planted_tasks())} audit calls failed"):
+        run("garbage")
+    assert len(read(tmp_path / "garbage/rejected.jsonl")) == len(planted_tasks())

@@ -38,6 +38,7 @@ from rewards.rubrics import (
     dedupe_and_truncate,
     discriminative_dropout,
     fallback_merge,
+    group_metrics,
     normalize_title,
     render_steps,
     render_task,
@@ -225,6 +226,18 @@ def test_task_rubric_cache_d9_and_fallbacks():
     assert fifth.task_criteria[0].title == sixth.task_criteria[0].title == "s1 c"
 
 
+def test_a_judge_that_always_fails_makes_the_group_unscorable_not_zero():
+    """Every call fails (a refused connection, a 401): no criteria because nothing answered, so every rollout is
+    unscorable (reward None) and the unscorable rate says 1.0; a judge that answers with no criteria gives R = 0."""
+    failing = {name: lambda m, v: None for name in ("TaskCriteria", "RolloutCriteria", "MergedCriteria", "Scores")}
+    (res,) = RubricPipeline(ScriptedJudge(failing), stage_retries=0).score_groups([group()])
+    assert res.verdicts == [None, None] and res.rewards == [None, None]
+    assert group_metrics([res])["draco/unscorable_rate"] == 1.0
+    empty = {"TaskCriteria": lambda m, v: {"criteria": []}, "RolloutCriteria": lambda m, v: {"criteria": []}}
+    (res,) = RubricPipeline(ScriptedJudge(empty), stage_retries=0).score_groups([group()])
+    assert res.rewards == [0.0, 0.0] and group_metrics([res])["draco/unscorable_rate"] == 0.0
+
+
 def crit_score(title: str, score: int) -> dict:
     return {"rubric_title": title, "score": score}
 
@@ -262,7 +275,8 @@ def test_no_surviving_criterion_gives_zero_reward_and_deadline_cancels():
     pipe = RubricPipeline(Sleepy({}), step_deadline_s=0.3)
     start = time.monotonic()
     (res,) = pipe.score_groups([group()])
-    assert time.monotonic() - start < 3 and res.merged == [] and res.rewards == [0.0, 0.0]
+    assert time.monotonic() - start < 3 and res.merged == []
+    assert res.rewards == [None, None]  # every call was cancelled: nothing was judged, the rollouts are unscorable
     assert pipe.metrics()["draco/judge_deadline/task"] == 1  # cancelled at the step deadline, then fallbacks
 
 

@@ -8,8 +8,12 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 import train
 
@@ -19,6 +23,12 @@ BASE += ["--per_device_train_batch_size", "4", "--num_generations", "2", "--max_
 BASE += ["--max_completion_length", "64", "--learning_rate", "1e-2", "--lr_scheduler_type", "constant"]
 BASE += ["--logging_steps", "1", "--report_to", "none", "--use_cpu", "true", "--bf16", "false"]
 BASE += ["--activation_checkpointing", "false", "--seed", "0", "--max_steps", "4"]
+BASE += ["--reward_funcs", "tests.test_resume.varied_reward"]  # a signal in every group: the steps really update
+
+
+def varied_reward(completions, **kwargs) -> list[float]:
+    """A reward that differs between the rollouts of a group (the tiny build of one SFT step rarely buys anything)."""
+    return [float(len(str(c)) % 5) for c in completions]
 SAVE = ["--save_strategy", "steps", "--save_steps", "2"]
 
 
@@ -55,7 +65,7 @@ def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, monkeypatc
     assert [after[s]["step_time"] for s in (1, 2)] == [before[s]["step_time"] for s in (1, 2)]
     for step in (3, 4):  # the same rollouts (sampler RNG restored) and the same updates
         keys = [k for k, v in before[step].items() if isinstance(v, float) and not k.endswith(("_time", "runtime"))]
-        assert {"loss", "grad_norm"} <= set(keys)
+        assert {"loss", "grad_norm"} <= set(keys) and before[step]["grad_norm"] > 0  # the step changed the model
         for key in keys:  # every logged number but timings
             assert after[step][key] == pytest.approx(before[step][key], rel=1e-6, abs=1e-9), (step, key)
     assert any("env/success" in before[step] and "env/success" in after[step] for step in (3, 4))  # rollouts compared
@@ -110,3 +120,53 @@ def test_sigterm_stops_at_a_batch_boundary_with_a_checkpoint(tmp_path, monkeypat
     assert (out / f"checkpoint-{stops_at}" / "trainer_state.json").exists()
     assert "before" in summary and "after" not in summary
     assert max(steps_of(out)) == stops_at  # no step after the boundary
+
+
+KILLED_RUN = """
+import os, signal, sys
+import train
+from transformers import Trainer
+
+save = Trainer._save_optimizer_and_scheduler
+
+def killed_while_saving(self, output_dir):
+    if output_dir.endswith("checkpoint-4"):  # the model of checkpoint-4 is on disk, the rest never will be
+        os.kill(os.getpid(), signal.SIGKILL)
+    return save(self, output_dir)
+
+Trainer._save_optimizer_and_scheduler = killed_while_saving
+train.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize(
+    "method",
+    [["--trainer", "grpo"], ["--trainer", "ppo", "--steps_per_generation", "2"]],
+    ids=["grpo", "ppo"],
+)
+def test_kill_9_while_saving_then_resume_logs_what_the_uninterrupted_run_logged(tmp_path, monkeypatch, method):
+    """A real SIGKILL of a train.py process, in the middle of writing its step-4 checkpoint (model written, optimizer
+    not): `resume_from_checkpoint true` skips the half-written checkpoint-4, resumes from checkpoint-2, and steps 3-6
+    log what an uninterrupted run logged."""
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    argv = [*BASE, *SAVE, *method, "--max_steps", "6"]
+    train.main([*argv, "--output_dir", str(whole)])  # also builds the tiny default the killed run reuses
+    repo = Path(train.__file__).resolve().parent
+    env = {**os.environ, "AGENT_TRL_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # as this process: other thread counts round differently
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, *argv, "--output_dir", str(killed)], cwd=repo, env=env, timeout=600
+    )
+    assert proc.returncode == -signal.SIGKILL
+    assert (killed / "checkpoint-4" / "model.safetensors").exists()  # half written: the model, nothing after it
+    assert not (killed / "checkpoint-4" / "trainer_state.json").exists() and not (killed / "summary.json").exists()
+    train.main([*argv, "--output_dir", str(killed), "--resume_from_checkpoint", "true"])
+    before, after = steps_of(whole), steps_of(killed)
+    assert sorted(after) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        keys = [k for k, v in before[step].items() if isinstance(v, float) and not k.endswith(("_time", "runtime"))]
+        assert before[step]["grad_norm"] > 0  # the step changed the model
+        assert set(keys) <= set(after[step])  # alarms included: the monitors' memory came back with the checkpoint
+        for key in keys:
+            assert after[step][key] == pytest.approx(before[step][key], rel=1e-6, abs=1e-9), (step, key)

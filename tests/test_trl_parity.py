@@ -30,6 +30,21 @@ PINNED = {
 }
 
 
+# transformers' Trainer methods the base overrides to carry its monitors' state in checkpoints
+PINNED_TRAINER = {
+    "_save_checkpoint": ["self", "model", "trial"],
+    "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED_TRAINER))
+def test_private_trainer_signatures_are_pinned(name):
+    from transformers import Trainer
+
+    params = list(inspect.signature(getattr(Trainer, name)).parameters)
+    assert params == PINNED_TRAINER[name], f"transformers changed Trainer.{name}: {params}; update trainers/base.py"
+
+
 @pytest.mark.parametrize("name", sorted(PINNED))
 def test_private_signatures_are_pinned(name):
     params = list(inspect.signature(getattr(GRPOTrainer, name)).parameters)

@@ -16,12 +16,17 @@ earlier batch outside the band (a run that drifts there, not an environment wher
    fraction of a critic trainer is a subset of the truncated rows, so this covers it.
 4. `success`: `env/success` <= `success_zero` (0.02, at most one success in 50 rollouts) after some batch reached
    `success_floor` (0.05): the policy collapsed.
+5. `no_variance`: TRL's `frac_reward_zero_std` >= `zero_std_frac` (0.95) for `no_variance_patience` (5) batches: almost
+   every group's rollouts got equal rewards, so the group advantage is 0 and GRPO-style updates learn nothing. Unlike
+   the others it needs no earlier healthy batch: tasks too hard (every rollout fails) or too easy from the start are
+   worth a warning too.
 
 Defaults, replayed on the `log_history` of the stored runs under `bench/results/` (`replay`; one observation per
 logged entry, a mean over 5 optimizer steps): `truncated` or `success` fire on every tiny:shop run that collapsed (the
 six PPO runs of `shop_methods`, the three `draco_shop` runs and `quickstart@loss_type=dapo-s1` of `shop_draco`),
-`short_turns` on PPO with a value head (seeds 0 and 1), `capped_turns` on dapo seed 1 and PPO seed 2; nothing fires
-on the other runs (GRPO, MPO, the search and terminal runs). Live, one observation is one generation batch, so an
+`short_turns` on PPO with a value head (seeds 0 and 1), `capped_turns` on dapo seed 1 and PPO seed 2, `no_variance`
+on the six PPO runs and dapo seed 1 (not on the DRACO runs, whose rubric reward keeps varying); nothing fires on the
+other runs (GRPO, MPO, the search and terminal runs). Live, one observation is one generation batch, so an
 alarm fires after `patience` batches, sooner and on noisier numbers than in the replay.
 """
 
@@ -32,7 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("short_turns", "capped_turns", "truncated", "success")
+KINDS = ("short_turns", "capped_turns", "truncated", "success", "no_variance")
 
 
 @dataclass(frozen=True)
@@ -50,12 +55,26 @@ class _Watch:
     """One kind's memory. It arms on a value outside the band (`inside`) for which `arms` holds (None: any), then fires
     on the `patience`-th value in a row inside the band; it fires once."""
 
-    def __init__(self, inside: Callable[[float], bool], patience: int, arms: Callable[[float], bool] | None = None):
+    def __init__(
+        self,
+        inside: Callable[[float], bool],
+        patience: int,
+        arms: Callable[[float], bool] | None = None,
+        armed: bool = False,
+    ):
         self.inside, self.arms = inside, arms
         self.recent: deque[float] = deque(maxlen=patience)
-        self.armed = self.fired = False
+        self.armed, self.fired = armed, False
         self.streak = 0
         self.peak = -math.inf  # largest value seen (the success message quotes it)
+
+    def state_dict(self) -> dict:
+        return {"recent": list(self.recent), "armed": self.armed, "fired": self.fired, "streak": self.streak,
+                "peak": self.peak}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent = deque(state["recent"], maxlen=self.recent.maxlen)
+        self.armed, self.fired, self.streak, self.peak = state["armed"], state["fired"], state["streak"], state["peak"]
 
     def update(self, value: float | None) -> bool:
         if value is None or math.isnan(value) or self.fired:  # no information: the streak neither breaks nor grows
@@ -88,6 +107,9 @@ class CollapseAlarm:
             zero counts.
         success_zero (`float`, *optional*, defaults to `0.02`): success at or below which a batch counts as zero
             (at most one success in 50 rollouts).
+        zero_std_frac (`float`, *optional*, defaults to `0.95`): fraction of zero-variance groups at or above which a
+            batch counts as carrying no learning signal.
+        no_variance_patience (`int`, *optional*, defaults to `5`): consecutive such batches before `no_variance` fires.
     """
 
     def __init__(
@@ -99,31 +121,56 @@ class CollapseAlarm:
         truncated_frac: float = 0.95,
         success_floor: float = 0.05,
         success_zero: float = 0.02,
+        zero_std_frac: float = 0.95,
+        no_variance_patience: int = 5,
     ):
         if max_turn_tokens < 1:
             raise ValueError(f"max_turn_tokens must be >= 1, got {max_turn_tokens}")
-        if patience < 1:
-            raise ValueError(f"patience must be >= 1, got {patience}")
+        if patience < 1 or no_variance_patience < 1:
+            raise ValueError(f"patience must be >= 1, got {patience} (no_variance_patience {no_variance_patience})")
         if success_floor <= success_zero:
             raise ValueError(f"success_floor ({success_floor}) must be above success_zero ({success_zero})")
         self.max_turn_tokens = max_turn_tokens
         self.cap_tokens = cap_fraction * max_turn_tokens
-        self.short_turn_tokens, self.truncated_frac = short_turn_tokens, truncated_frac
+        self.short_turn_tokens, self.truncated_frac, self.zero_std_frac = (
+            short_turn_tokens,
+            truncated_frac,
+            zero_std_frac,
+        )
         self.watches = {
             "short_turns": _Watch(lambda v: v <= short_turn_tokens, patience),
             "capped_turns": _Watch(lambda v: v >= self.cap_tokens, patience),
             "truncated": _Watch(lambda v: v >= truncated_frac, patience),
             "success": _Watch(lambda v: v <= success_zero, patience, arms=lambda v: v >= success_floor),
+            "no_variance": _Watch(lambda v: v >= zero_std_frac, no_variance_patience, armed=True),
         }
 
-    def update(self, tokens_per_turn: float | None, truncated: float | None, success: float | None) -> list[Alarm]:
+    def state_dict(self) -> dict:
+        """What the alarm remembers, per kind (JSON-ready; saved in checkpoints so a resumed run fires where the
+        uninterrupted one would)."""
+        return {kind: watch.state_dict() for kind, watch in self.watches.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for kind, watch_state in state.items():
+            if kind in self.watches:
+                self.watches[kind].load_state_dict(watch_state)
+
+    def update(
+        self,
+        tokens_per_turn: float | None,
+        truncated: float | None,
+        success: float | None,
+        zero_std: float | None = None,
+    ) -> list[Alarm]:
         """Feed one generation batch: mean model tokens per assistant turn, fraction of episodes cut by a budget,
-        fraction judged successful (None or NaN: not measured). Returns the alarms that fire on this batch."""
+        fraction judged successful, fraction of groups whose rewards are all equal (None or NaN: not measured).
+        Returns the alarms that fire on this batch."""
         values = {
             "short_turns": tokens_per_turn,
             "capped_turns": tokens_per_turn,
             "truncated": truncated,
             "success": success,
+            "no_variance": zero_std,
         }
         return [self._alarm(kind) for kind, value in values.items() if self.watches[kind].update(value)]
 
@@ -153,6 +200,13 @@ class CollapseAlarm:
                 "episode V(s) > 0 against 0 for a wrong answer; check bootstrap_truncated (conventions.md C4) and the "
                 "budgets (max_turns, max_completion_length)",
             ),
+            "no_variance": (
+                "frac_reward_zero_std",
+                f"fraction of groups whose rollouts all got the same reward {shown} {last} (>= "
+                f"{self.zero_std_frac:g}): the group advantage is 0 almost everywhere, so GRPO-style updates learn "
+                "nothing. The tasks are too hard (every rollout fails: an easier difficulty, a warmer start, a "
+                "denser reward) or already solved (every rollout succeeds)",
+            ),
             "success": (
                 "env/success",
                 f"training success {shown} {last}, after reaching {watch.peak:.3g}: the policy collapsed. The other "
@@ -176,6 +230,7 @@ def replay(log_history: list[dict], max_turn_tokens: int, **settings) -> list[tu
         tokens_per_turn = entry.get("env/tokens_per_turn")
         if tokens_per_turn is None and "completions/mean_length" in entry:
             tokens_per_turn = entry["completions/mean_length"] / entry["env/turns"]
-        new = alarm.update(tokens_per_turn, entry.get("env/truncated"), entry.get("env/success"))
+        zero_std = entry.get("frac_reward_zero_std")
+        new = alarm.update(tokens_per_turn, entry.get("env/truncated"), entry.get("env/success"), zero_std)
         fired += [(entry["step"], a) for a in new]
     return fired

@@ -16,30 +16,38 @@ What it adds to `trl.GRPOTrainer` (TRL 1.16.0), of which it is a drop-in (TRL's 
 4. `routing_replay: true` (MoE policies, R3): `RoutingReplay` in `trainers/routing_replay.py`, called at named points.
 
 Private TRL methods overridden here, pinned by `tests/test_trl_parity.py`: `_generate_and_score_completions`,
-`_calculate_rewards`, `_compute_loss`, `_get_per_token_logps_and_entropies` (plus the public `training_step`).
+`_calculate_rewards`, `_compute_loss`, `_get_per_token_logps_and_entropies` (plus the public `training_step`), and
+transformers' `_save_checkpoint` / `_load_from_checkpoint`, which also write and read `monitor_state()`
+(`agent_state.json`: the collapse alarm's and the no-signal guard's memory, and what subclasses add), so a resumed run
+warns and stops where the uninterrupted one would.
 
 Logged metrics (besides TRL's), every generation batch, over all processes:
 - `env/success`: fraction of rollouts the environment judged successful.
 - `env/turns`: mean assistant turns per episode.
 - `env/truncated`: fraction of episodes cut by a turn or token budget.
 - `env/errors`: environment exceptions and timeouts per rollout.
+- `reward/unscorable_frac`: rollouts that got no reward (every reward function returned None); the no-signal guard
+  (`max_unscorable_frac`) stops a run in which it stays high.
 - `env/tokens_per_turn`: the batch's model tokens over its assistant turns (1-2: turns end at once; near
   `max_turn_tokens`: the end-of-turn id is no longer emitted).
 - `alarm/<kind>`: 1 on the batch where the collapse alarm of that kind fires (`collapse_alarm`, `trainers/alarm.py`:
-  `short_turns`, `capped_turns`, `truncated`, `success`), with a warning naming the numbers.
+  `short_turns`, `capped_turns`, `truncated`, `success`, `no_variance`), with a warning naming the numbers.
 - MoE policies: the `routing/*` metrics listed in `trainers/routing_replay.py`.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 
 import torch
 from accelerate.utils import gather, gather_object
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
@@ -52,6 +60,7 @@ from trainers.routing_replay import RoutingReplay
 logger = logging.getLogger(__name__)
 
 REWARDS = ("env", "binary", "assertion_count")
+MONITOR_STATE = "agent_state.json"  # `AgentGRPOTrainer.monitor_state()` in each checkpoint
 
 
 @dataclass
@@ -106,8 +115,29 @@ class AgentGRPOConfig(GRPOConfig):
         },
     )
 
+    max_unscorable_frac: float = field(
+        default=0.5,
+        metadata={
+            "help": "The no-signal guard: when more than this fraction of a generation batch's rollouts has no "
+            "reward (every reward function returned None, e.g. a judge that cannot be reached or rejects its key) "
+            "for unscorable_patience batches in a row, the run saves a checkpoint and stops with an error naming "
+            "the numbers, instead of training on nothing. 1.0 turns it off. The fraction is logged as "
+            "reward/unscorable_frac."
+        },
+    )
+    unscorable_patience: int = field(
+        default=3, metadata={"help": "Generation batches in a row above max_unscorable_frac before the run stops."}
+    )
+
     def __post_init__(self):
+        check_sampling_and_batches(self)  # before TRL's own post-init, which divides by some of these
         super().__post_init__()
+        if not 0.0 <= self.max_unscorable_frac <= 1.0:
+            raise ValueError(f"max_unscorable_frac must be in [0, 1], got {self.max_unscorable_frac}")
+        if self.unscorable_patience < 1:
+            raise ValueError(f"unscorable_patience must be >= 1, got {self.unscorable_patience}")
+        if self.env_timeout <= 0:
+            raise ValueError(f"env_timeout must be > 0 seconds, got {self.env_timeout}")
         if self.max_turn_tokens < 1:
             raise ValueError(f"max_turn_tokens must be >= 1, got {self.max_turn_tokens}")
         if self.max_turns is not None and self.max_turns < 1:
@@ -119,6 +149,47 @@ class AgentGRPOConfig(GRPOConfig):
             was = "None (the model's own)" if self.router_aux_loss_coef is None else self.router_aux_loss_coef
             logger.warning("routing_replay forces router_aux_loss_coef %s -> 0.0 (routing-replay.md D10)", was)
             self.router_aux_loss_coef = 0.0
+
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")  # TRL 1.16's GRPO losses
+
+
+def check_sampling_and_batches(args: GRPOConfig) -> None:
+    """Values of TRL's GRPO fields that would otherwise crash without naming themselves (a division by zero in TRL's
+    post-init), fail after the model is loaded (an unknown loss type), or sample nonsense (temperature 0, top_p > 1).
+    Raises ValueError naming the field."""
+    problems = [
+        f"{name} must be {rule}, got {value}"
+        for name, value, ok, rule in [
+            (
+                "num_generations",
+                args.num_generations,
+                lambda v: v is None or v >= 2,
+                ">= 2 (a group of one has no advantage)",
+            ),
+            ("per_device_train_batch_size", args.per_device_train_batch_size, lambda v: v >= 1, ">= 1"),
+            ("gradient_accumulation_steps", args.gradient_accumulation_steps, lambda v: v >= 1, ">= 1"),
+            ("steps_per_generation", args.steps_per_generation, lambda v: v is None or v >= 1, ">= 1 or None"),
+            ("generation_batch_size", args.generation_batch_size, lambda v: v is None or v >= 1, ">= 1 or None"),
+            ("num_iterations", args.num_iterations, lambda v: v >= 1, ">= 1"),
+            ("max_completion_length", args.max_completion_length, lambda v: v is None or v >= 1, ">= 1"),
+            ("temperature", args.temperature, lambda v: v > 0, "> 0 (sampling divides the logits by it)"),
+            ("top_p", args.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("beta", args.beta, lambda v: v >= 0, ">= 0"),
+            ("epsilon", args.epsilon, lambda v: v >= 0, ">= 0"),
+            ("learning_rate", args.learning_rate, lambda v: v >= 0, ">= 0"),
+            ("seed", args.seed, lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+        ]
+        if not ok(value)
+    ]
+    if args.loss_type not in LOSS_TYPES:
+        problems.append(f"loss_type must be one of {LOSS_TYPES}, got {args.loss_type!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+class NoRewardSignal(RuntimeError):
+    """Raised by the no-signal guard (`AgentGRPOConfig.max_unscorable_frac`) after it saved a checkpoint."""
 
 
 @dataclass
@@ -251,6 +322,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             env_timeout=self.args.env_timeout,
         )
         self.collapse_alarm = CollapseAlarm(self.args.max_turn_tokens) if self.args.collapse_alarm else None
+        self._unscorable_streak: list[float] = []  # unscorable fractions of the last batches above the guard's bound
         if self.routing_replay.setup(self.accelerator.unwrap_model(self.model)):  # refuses unsupported setups
             self.aux_loss_enabled = False  # router_aux_loss_coef is 0.0 (AgentGRPOConfig.__post_init__, D10)
 
@@ -364,7 +436,37 @@ class AgentGRPOTrainer(GRPOTrainer):
                 raise RuntimeError(f"batch.extras[{key!r}] must be a batch-first tensor with {len(inputs)} rows")
             out[key] = value
         self._log_env_metrics(batch)
+        self._guard_reward_signal()
         return out
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Checkpoints carry the monitors' memory
+    def monitor_state(self) -> dict:
+        """What the run's monitors remember between generation batches (JSON-ready); subclasses add theirs."""
+        alarm = self.collapse_alarm.state_dict() if self.collapse_alarm is not None else None
+        return {"collapse_alarm": alarm, "unscorable_streak": list(self._unscorable_streak)}
+
+    def load_monitor_state(self, state: dict) -> None:
+        if self.collapse_alarm is not None and state.get("collapse_alarm"):
+            self.collapse_alarm.load_state_dict(state["collapse_alarm"])
+        self._unscorable_streak = list(state.get("unscorable_streak", []))
+
+    def _save_checkpoint(self, model, trial):
+        """Write agent_state.json first: the trainer writes trainer_state.json last, and a checkpoint without it is
+        incomplete, so a complete checkpoint always has both."""
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, MONITOR_STATE), "w") as f:
+                json.dump(self.monitor_state(), f)
+        super()._save_checkpoint(model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, MONITOR_STATE)
+        if os.path.isfile(path):  # absent in checkpoints written before it existed: the monitors start afresh
+            with open(path) as f:
+                self.load_monitor_state(json.load(f))
 
     # ----------------------------------------------------------------------------------------------------------------
     # The agent loop as TRL's rollout_func, and the routing replay's read of TRL's step counter
@@ -458,10 +560,42 @@ class AgentGRPOTrainer(GRPOTrainer):
         for name, value in stats.items():
             self.log_metric(name, value)
         if self.collapse_alarm is not None and self.model.training and self.accelerator.is_main_process:
-            watched = (stats["env/tokens_per_turn"], stats["env/truncated"], stats["env/success"])
+            zero_std = self._metrics["train"].get("frac_reward_zero_std", [None])[-1]  # TRL's, of this batch
+            watched = (stats["env/tokens_per_turn"], stats["env/truncated"], stats["env/success"], zero_std)
             for alarm in self.collapse_alarm.update(*watched):
                 logger.warning("%s", alarm.message)
                 self.log_metric(f"alarm/{alarm.kind}", 1.0)
+
+    def _guard_reward_signal(self) -> None:
+        """Log `reward/unscorable_frac` (rollouts for which every reward function returned None, over all processes)
+        and stop the run, after saving a checkpoint, when it stays above `max_unscorable_frac` for
+        `unscorable_patience` training batches in a row. Every process sees the same gathered rewards, so all stop
+        together."""
+        rpf = self._rewards_per_func  # (N_global, F), gathered by TRL
+        frac = torch.isnan(rpf).all(dim=1).float().mean().item() if len(rpf) else 0.0
+        self.log_metric("reward/unscorable_frac", frac)
+        if not self.model.training:
+            return
+        streak = self._unscorable_streak
+        if frac > self.args.max_unscorable_frac:
+            streak.append(frac)
+        else:
+            streak.clear()
+        if len(streak) < self.args.unscorable_patience:
+            return
+        saved = "nothing was trained yet, so no checkpoint was saved"
+        if self.state.global_step > 0:
+            self._save_checkpoint(self.model, trial=None)
+            saved = f"saved checkpoint-{self.state.global_step} in {self.args.output_dir}"
+        shown = ", ".join(f"{x:.0%}" for x in streak)
+        raise NoRewardSignal(
+            f"{len(streak)} generation batches in a row had more than {self.args.max_unscorable_frac:.0%} of their "
+            f"rollouts without a reward ({shown}): every reward function ({', '.join(self.reward_func_names)}) "
+            "returned None for them. A judge that cannot be reached or rejects its API key does this; the logged "
+            "judge metrics (e.g. judge/failures/*, draco/judge_failures/*) say which. Training stopped instead of "
+            f"training on nothing ({saved}); fix the reward source and resume with --resume_from_checkpoint true. "
+            "max_unscorable_frac and unscorable_patience set this guard"
+        )
 
 
 def reward_function(args: AgentGRPOConfig) -> Callable:

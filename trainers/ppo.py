@@ -155,6 +155,13 @@ class PPOConfig(AgentGRPOConfig):
                 f"loss_type must be one of {LOSS_TYPES} for the critic trainers (conventions.md C22), got "
                 f"{self.loss_type!r}"
             )
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.vf_coef < 0:
+            raise ValueError(f"vf_coef must be >= 0, got {self.vf_coef}")
+        if self.cliprange_value <= 0:
+            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}")
         if self.critic_lr_multiplier <= 0:
             raise ValueError(f"critic_lr_multiplier must be > 0, got {self.critic_lr_multiplier}")
         if self.critic_warmup_steps < 0:
@@ -469,6 +476,13 @@ class AgentPPOTrainer(AgentGRPOTrainer):
                 if group.get("role") == "actor":
                     for p in group["params"]:
                         p.grad = None
+
+    def monitor_state(self) -> dict:
+        return {**super().monitor_state(), "ev_negative_streak": self.ev_negative_streak}
+
+    def load_monitor_state(self, state: dict) -> None:
+        super().load_monitor_state(state)
+        self.ev_negative_streak = state.get("ev_negative_streak", 0)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """The policy as usual, plus `critic.pt` (critic weights only; under PEFT the head is not in the adapter)."""

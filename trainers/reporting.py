@@ -37,7 +37,9 @@ def plot_curves(
     import matplotlib.pyplot as plt
 
     def series(key: str) -> list[tuple[float, float]]:
-        rows = [row for row in log_history if key in row and "step" in row and not math.isnan(row[key])]
+        rows = [  # None: a value with nothing behind it (e.g. the mean reward of a batch without one)
+            row for row in log_history if row.get(key) is not None and "step" in row and not math.isnan(row[key])
+        ]
         return [(row["step"] * (rollouts_per_step or 1), row[key]) for row in rows]
 
     panels = [(key, name) for key, name in CURVES if series(key)]
