@@ -29,6 +29,8 @@ BASE += ["--reward_funcs", "tests.test_resume.varied_reward"]  # a signal in eve
 def varied_reward(completions, **kwargs) -> list[float]:
     """A reward that differs between the rollouts of a group (the tiny build of one SFT step rarely buys anything)."""
     return [float(len(str(c)) % 5) for c in completions]
+
+
 SAVE = ["--save_strategy", "steps", "--save_steps", "2"]
 
 
