@@ -178,9 +178,12 @@ def strip_reasoning(text: str) -> str:
 
 
 def _json_candidates(text: str, limit: int = 64) -> Iterator[Any]:
-    """Yield JSON values found in `text`: the whole text, then fenced blocks, then each balanced value in order."""
+    """Yield JSON values found in `text`: the whole text (and nothing else when it is one JSON value), then fenced
+    blocks, then each top-level balanced value in order. A value nested inside another is never a candidate of its
+    own: `{"answer": 7, "detail": {"value": 8}}` is an answer of the wrong shape, not an answer of 8."""
     try:
         yield json.loads(text)
+        return
     except json.JSONDecodeError:
         pass
     for block in re.findall(r"```[A-Za-z]*\s*\n?(.*?)```", text, flags=re.DOTALL):
@@ -189,12 +192,19 @@ def _json_candidates(text: str, limit: int = 64) -> Iterator[Any]:
         except json.JSONDecodeError:
             pass
     decoder = json.JSONDecoder()
-    starts = [i for i, ch in enumerate(text) if ch in "{["][:limit]
-    for i in starts:
+    i, tried = 0, 0
+    while tried < limit:
+        starts = [j for j in (text.find("{", i), text.find("[", i)) if j >= 0]
+        if not starts:
+            return
+        i, tried = min(starts), tried + 1
         try:
-            yield decoder.raw_decode(text, i)[0]
+            value, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError:
+            i += 1
             continue
+        yield value
+        i = end  # past the whole value: its inner values are part of it
 
 
 def parse_output(text: str, schema: type[M]) -> M:

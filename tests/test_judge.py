@@ -97,6 +97,10 @@ def test_parse_output_tolerates_fences_prose_reasoning_and_bare_arrays():
     with pytest.raises(ValueError, match="does not match the schema"):
         parse_output('{"score": "high"}', Verdict)
     assert strip_reasoning("<think>unfinished reasoning") == ""
+    # a value nested inside an answer of the wrong shape is not an answer (it used to give 8 and 7)
+    for wrapped in ('{"result": 7, "detail": {"score": 8}}', 'Answer: {"answer": {"score": 7}} done'):
+        with pytest.raises(ValueError, match="does not match the schema"):
+            parse_output(wrapped, Verdict)
 
 
 def test_call_cost_usd_eq11():
