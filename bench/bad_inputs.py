@@ -348,6 +348,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    out = (args.out or HERE / "bench" / "results" / "bad_inputs").resolve()  # before load_train changes folder
     train = load_train(args.repo.resolve())
     rows, counts = [], {}
     for case in CASES:
@@ -367,12 +368,11 @@ def main() -> None:
         print(f"{outcome:9s} {case.name}: {shown(message)[:150]}", flush=True)
     print(counts)
     sys.path.insert(0, str(HERE))
-    from bench.record import RESULTS, write_result
+    from bench.record import write_result
 
     table = "| outcome | cases |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in sorted(counts.items()))
     table += "\n| case | outcome | message |\n|---|---|---|\n"
     table += "".join(f"| {r['case']} | {r['outcome']} | {shown(r['message'])[:160]} |\n" for r in rows)
-    out = args.out or RESULTS / "bad_inputs"
     out.mkdir(parents=True, exist_ok=True)
     write_result(
         out, "bad_inputs", {"repo": str(args.repo), "cases": len(CASES)}, {"counts": counts, "rows": rows}, table
