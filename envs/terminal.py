@@ -9,14 +9,24 @@ fences, a leading `$ ` and surrounding backticks are ignored)
   ls [-alF1] [path...]        one line of entries, directories with a trailing `/` (as `ls -F` shows them)
   cat [file...]               with no file it reads the pipe
   grep [-cilnrvFE] pattern [path...]
-                              Python regular expression (the same as grep's for plain words); -r walks directories
+                              Python `re` syntax, matched by `regex` with a timeout (the same as grep's for plain
+                              words); -r walks directories
   echo [-n] word...           usually with `> file` (overwrite) or `>> file` (append)
   mkdir [-p] dir...           touch file...           rm [-rf] path...
   cp [-r] src... dst          mv src... dst           (both go into dst when it is a directory)
   wc [-lwc] [file...]         head / tail [-n N | -N] [file...]           pwd           cd [dir]
 Quoting follows shlex (POSIX) rules; `|` pipes, `<` reads a file, `>` / `>>` write one; `;` and `&&` chain commands.
 Mistakes give bash-like error text ("bash: foo: command not found", "cat: x: No such file or directory"), never an
-exception. Output is cut after 40 words. `submit` (or `done`, `exit`) ends the episode.
+exception. Output is cut after 40 words or 2,000 characters. `submit` (or `done`, `exit`) ends the episode.
+
+Bounds, so that every step is short and small even though the agent loop cannot stop a running step's thread (class
+attributes of `Shell`, far above what a task needs: its files are a few lines). A command line over 10,000 characters
+is refused before it is parsed. A command line runs for at most `time_budget_s` = 2 s, checked between commands, per
+operand, per line grep reads and inside the regex engine; past it, it stops with `bash: time limit exceeded`. The
+file system holds 1 MiB (contents and paths, plus 64 per file or directory, so empty files fill it too) and any one
+command's output 1 MiB; a command that would pass either fails with `No space left on device` and leaves the file
+system as it was before that command (bash would keep the file its `>` truncated). grep refuses a pattern whose
+counted repeats would unroll too far (`regex` expands them when compiling, with no timeout).
 
 Assertions (JSON dicts on the final file system; paths relative to `/`)
   {"kind": "file_exists", "path"}             a regular file is there
@@ -54,7 +64,10 @@ import json
 import random
 import re
 import shlex
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import regex
 
 from envs.base import Env, check_split, split_of
 
@@ -76,6 +89,9 @@ EXTENSIONS = ["txt", "log", "md", "csv"]
 ASSERTION_KINDS = ("file_exists", "file_absent", "dir_exists", "file_equals", "file_contains", "line_count")
 SUBMIT_WORDS = ("submit", "done", "exit")
 MAX_OUTPUT_WORDS = 40
+MAX_OUTPUT_CHARS = 2_000  # the observation's cut for one long word (40 task words take a few hundred characters)
+#: the largest `_pattern_size` grep compiles: about 100k `regex` nodes, ~30 ms and ~25 MB to compile
+MAX_PATTERN_SIZE = 100_000
 
 q = shlex.quote
 
@@ -147,6 +163,46 @@ _OPERATORS = ("&&", ">>", ";", "|", ">", "<", "&")
 
 class _ShellSyntaxError(Exception):
     """A parse error; its message is the unexpected token."""
+
+
+class _Stop(Exception):
+    """Ends the whole command line; its message is the last thing the terminal shows (the time budget ran out)."""
+
+
+class _Full(Exception):
+    """A command would pass the disk's or its output's cap; its message is who reports it, e.g. `cat: write error`."""
+
+
+class _Output:
+    """Text collected in pieces, never more than `limit` characters. With `prog`, passing the limit raises `_Full`
+    (a command's output); without, the rest is dropped (what the terminal keeps of a command line)."""
+
+    def __init__(self, limit: int, prog: str | None = None):
+        self.limit, self.prog = limit, prog
+        self.parts: list[str] = []
+        self.size = 0
+
+    def write(self, text: str) -> None:
+        if self.prog is not None and self.size + len(text) > self.limit:
+            raise _Full(f"{self.prog}: write error")
+        self.parts.append(text[: self.limit - self.size])
+        self.size += len(self.parts[-1])
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _pattern_size(pattern: str) -> int:
+    """An upper bound on the nodes `regex` compiles a pattern into: its length times each counted repeat `{m,n}`.
+
+    `regex` unrolls counted repeats when compiling, with no timeout: `(a{1000}){1000}` is a million nodes (~1 s).
+    >>> _pattern_size("apple"), _pattern_size("(ab{10}){2,3}")
+    (5, 390)
+    """
+    size = len(pattern)
+    for numbers in re.findall(r"\{(\d*),?(\d*)\}", pattern):
+        size *= max([int(n) if len(n) < 19 else 10**18 for n in numbers if n] + [1])  # 10**18: too big anyway
+    return size
 
 
 def _tokenize(line: str) -> list[tuple[str, str]]:
@@ -246,8 +302,20 @@ def _split_options(prog: str, args: list[str], allowed: str) -> tuple[set[str], 
 Output = tuple[str, str]  # (stdout, stderr)
 
 
+_BASH_BUILTINS = ("cd", "echo", "pwd")  # bash itself reports their errors: "bash: echo: write error: ..."
+_ENTRY_CHARS = 64  # what each file or directory takes on the simulated disk besides its path and content
+
+
 class Shell:
-    """The simulated shell: a file system (`files`, `dirs`), a working directory, and `run(line) -> output`."""
+    """The simulated shell: a file system (`files`, `dirs`), a working directory, and `run(line) -> output`.
+
+    Its bounds (see the module doc) are class attributes; set them on an instance or a subclass to change them.
+    """
+
+    time_budget_s: float = 2.0  # per command line; well under the agent loop's step timeout (`env_timeout`, 30 s)
+    max_line_chars: int = 10_000  # a longer command line is refused before it is tokenised
+    max_stream_chars: int = 1 << 20  # any one command's output (a pipe, or what it writes), and what a line shows
+    max_disk_chars: int = 1 << 20  # the whole file system, as `disk_usage()` counts it
 
     def __init__(self, files: dict[str, str] | None = None, dirs: list[str] | set[str] | None = None, cwd: str = ""):
         self.files: dict[str, str] = {_norm(p): c for p, c in (files or {}).items()}
@@ -260,6 +328,7 @@ class Shell:
             "touch": self._touch, "rm": self._rm, "cp": self._cp, "mv": self._mv, "wc": self._wc,
             "head": self._head, "tail": self._tail, "pwd": self._pwd, "cd": self._cd,
         }  # fmt: skip
+        self._deadline = float("inf")  # of the command line that is running
 
     # -- state --------------------------------------------------------------------------------------------------------
     def snapshot(self) -> tuple:
@@ -267,6 +336,16 @@ class Shell:
 
     def copy(self) -> Shell:
         return Shell(dict(self.files), set(self.dirs), self.cwd)
+
+    def disk_usage(self) -> int:
+        """Characters the file system takes: each file's path and content, each directory's path, and `_ENTRY_CHARS`
+        per file or directory.
+
+        >>> Shell({"d/a.txt": "hi\\n"}).disk_usage()  # (64 + 7 + 3) + (64 + 1)
+        139
+        """
+        entries = _ENTRY_CHARS * (len(self.files) + len(self.dirs))
+        return entries + sum(len(p) + len(c) for p, c in self.files.items()) + sum(map(len, self.dirs))
 
     def is_dir(self, path: str) -> bool:
         return path == "" or path in self.dirs
@@ -315,26 +394,69 @@ class Shell:
 
     # -- running ------------------------------------------------------------------------------------------------------
     def run(self, line: str) -> str:
-        """Run one command line and return what the terminal shows (stderr and stdout, no trailing newline)."""
+        """Run one command line and return what the terminal shows (stderr and stdout, no trailing newline).
+
+        A line over `max_line_chars` is refused; one running past `time_budget_s` stops where it is with an error;
+        what it shows is kept to its first `max_stream_chars` characters.
+        """
+        if len(line) > self.max_line_chars:
+            return f"bash: command line too long ({len(line)} characters, at most {self.max_line_chars})"
         try:
             sequence = _parse(_tokenize(line))
         except _ShellSyntaxError as e:
             return f"bash: syntax error near unexpected token `{e}'"
         except ValueError:
             return "bash: syntax error: unterminated quoted string"
-        shown: list[str] = []
+        self._deadline = time.monotonic() + self.time_budget_s
+        shown = _Output(self.max_stream_chars)
         status = 0
-        for connector, pipeline in sequence:
-            if connector == "&&" and status != 0:
-                continue
-            stdin: str | None = None
-            for command in pipeline:
-                stdin, err, status = self._run_command(command, stdin)
-                shown.append(err)
-            shown.append(stdin or "")
-        return "".join(shown).rstrip("\n")
+        try:
+            for connector, pipeline in sequence:
+                if connector == "&&" and status != 0:
+                    continue
+                stdin: str | None = None
+                for command in pipeline:
+                    self._time_left()  # between the commands of a pipeline or sequence
+                    stdin, err, status = self._run_command(command, stdin)
+                    shown.write(err)
+                shown.write(stdin or "")
+        except _Stop as e:
+            shown.write(f"{e}\n")
+        return shown.text().rstrip("\n")
+
+    def _time_left(self) -> float:
+        """Seconds left to the running command line; raises `_Stop` when there are none."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise self._time_up()
+        return left
+
+    def _time_up(self) -> _Stop:
+        return _Stop(f"bash: time limit exceeded ({self.time_budget_s:g}s per command line)")
+
+    def _each(self, items: Iterable[str]) -> Iterator[str]:
+        """`items`, checking the time budget before each: the builtins loop over their operands with it."""
+        for item in items:
+            self._time_left()
+            yield item
+
+    def _check_disk(self, before: int, who: str) -> None:
+        """Raise `_Full(who)` when the file system grew past `max_disk_chars` (freeing space is always allowed)."""
+        used = self.disk_usage()
+        if used > self.max_disk_chars and used > before:
+            raise _Full(who)
 
     def _run_command(self, command: _Command, stdin: str | None) -> tuple[str, str, int]:
+        """Run one simple command. One that would fill the disk past `max_disk_chars`, or write more than
+        `max_stream_chars`, fails with "No space left on device" and leaves the file system as it was before it."""
+        files, dirs, used = dict(self.files), set(self.dirs), self.disk_usage()
+        try:
+            return self._run_simple(command, stdin, used)
+        except _Full as e:
+            self.files, self.dirs = files, dirs
+            return "", f"{e}: No space left on device\n", 1
+
+    def _run_simple(self, command: _Command, stdin: str | None, used: int) -> tuple[str, str, int]:
         out_path = None
         for op, target in command.redirects:  # redirections are opened before the command runs, as in bash
             path = self.resolve(target)
@@ -349,6 +471,7 @@ class Shell:
             if reason := self._missing_parent(path):
                 return "", f"bash: {target}: {reason}\n", 1
             self.files[path] = "" if op == ">" else self.files.get(path, "")
+            self._check_disk(used, f"bash: {target}")
             out_path = path
         if not command.argv:
             return "", "", 0
@@ -357,10 +480,14 @@ class Shell:
         if builtin is None:
             return "", f"bash: {name}: command not found\n", 127
         out, err = builtin(args, stdin)
+        who = f"bash: {name}" if name in _BASH_BUILTINS else name
+        if len(out) > self.max_stream_chars:
+            raise _Full(f"{who}: write error")
         if out_path is not None:
             if out_path in self.files:  # the command may have removed its own output file
                 self.files[out_path] += out
             out = ""
+        self._check_disk(used, f"{who}: write error" if out_path is not None else who)
         return out, err, 1 if err else 0
 
     # -- builtins: each takes (args, stdin) and returns (stdout, stderr) ----------------------------------------------
@@ -369,21 +496,22 @@ class Shell:
         if err:
             return "", err
         operands = operands or ["."]
-        blocks: list[str] = []
-        for arg in operands:
+        out = _Output(self.max_stream_chars, "ls")
+        for arg in self._each(operands):
             path = self.resolve(arg)
             if path in self.files:
-                blocks.append(arg)
+                out.write(arg + "\n")
             elif self.is_dir(path):
                 files, dirs = self._under(path)
                 start = len(path) + 1 if path else 0
                 names = [f[start:] for f in files if "/" not in f[start:]]
                 names += [d[start:] + "/" for d in dirs if "/" not in d[start:]]
                 names = sorted(n for n in names if "a" in flags or not n.startswith("."))
-                blocks.append((f"{arg}:\n" if len(operands) > 1 else "") + "  ".join(names))
+                block = (f"{arg}:\n" if len(operands) > 1 else "") + "  ".join(names)
+                out.write(block + "\n" if block else "")
             else:
                 err += f"ls: cannot access '{arg}': No such file or directory\n"
-        return "".join(b + "\n" for b in blocks if b), err
+        return out.text(), err
 
     def _cat(self, args: list[str], stdin: str | None) -> Output:
         _, operands, err = _split_options("cat", args, "")
@@ -391,11 +519,12 @@ class Shell:
             return "", err
         if not operands:
             return stdin or "", ""
-        out = ""
-        for arg in operands:
+        out = _Output(self.max_stream_chars, "cat")  # built piece by piece: it never holds more than its cap
+        for arg in self._each(operands):
             content, e = self._read("cat", arg)
-            out, err = out + (content or ""), err + e
-        return out, err
+            out.write(content or "")
+            err += e
+        return out.text(), err
 
     def _grep(self, args: list[str], stdin: str | None) -> Output:
         flags, operands, err = _split_options("grep", args, "cilnrvFE")
@@ -404,41 +533,62 @@ class Shell:
         if not operands:
             return "", "usage: grep [-cilnrvFE] PATTERN [FILE]...\n"
         pattern, paths = operands[0], operands[1:]
+        if "F" not in flags and _pattern_size(pattern) > MAX_PATTERN_SIZE:
+            return "", "grep: regular expression too big\n"
         try:
-            regex = re.compile(re.escape(pattern) if "F" in flags else pattern, re.IGNORECASE if "i" in flags else 0)
-        except re.error:
+            compiled = regex.compile(
+                regex.escape(pattern) if "F" in flags else pattern, regex.IGNORECASE if "i" in flags else 0
+            )
+        except regex.error:
             return "", f"grep: invalid regular expression '{pattern}'\n"
-        sources: list[tuple[str, str]] = []  # (label, content)
-        if not paths and "r" not in flags:
-            sources.append(("(standard input)", stdin or ""))
-        for arg in paths or ["."] * ("r" in flags):
+        errors = [err]
+        labelled = "r" in flags or sum(self.resolve(arg) in self.files for arg in paths) > 1
+        out = _Output(self.max_stream_chars, "grep")
+        for label, content in self._grep_sources(paths, "r" in flags, stdin, errors):
+            prefix, count = f"{label}:" if labelled else "", 0
+            for n, line in enumerate(content.splitlines(), 1):
+                if self._search(compiled, line) == ("v" in flags):
+                    continue
+                count += 1
+                if "l" in flags:
+                    break
+                if "c" not in flags:
+                    out.write(prefix + (f"{n}:" if "n" in flags else "") + line + "\n")
+            if "l" in flags:
+                out.write(label + "\n" if count else "")
+            elif "c" in flags:
+                out.write(f"{prefix}{count}\n")
+        return out.text(), "".join(errors)
+
+    def _grep_sources(
+        self, paths: list[str], recursive: bool, stdin: str | None, errors: list[str]
+    ) -> Iterator[tuple[str, str]]:
+        """(label, content) of each file grep reads, one at a time; a path it cannot read adds to `errors`."""
+        if not paths and not recursive:
+            yield "(standard input)", stdin or ""
+        for arg in self._each(paths or ["."] * recursive):
             path = self.resolve(arg)
             if path in self.files:
-                sources.append((arg, self.files[path]))
-            elif self.is_dir(path) and "r" in flags:
+                yield arg, self.files[path]
+            elif self.is_dir(path) and recursive:
                 base = "" if not paths else arg.rstrip("/") + "/"
                 start = len(path) + 1 if path else 0
-                sources += [(base + f[start:], self.files[f]) for f in self._under(path)[0]]
+                for f in self._each(self._under(path)[0]):
+                    yield base + f[start:], self.files[f]
             elif self.is_dir(path):
-                err += f"grep: {arg}: Is a directory\n"
+                errors.append(f"grep: {arg}: Is a directory\n")
             else:
-                err += f"grep: {arg}: No such file or directory\n"
-        labelled = len(sources) > 1 or "r" in flags
-        out: list[str] = []
-        for label, content in sources:
-            hits = [
-                (n, line)
-                for n, line in enumerate(content.splitlines(), 1)
-                if bool(regex.search(line)) != ("v" in flags)
-            ]
-            if "l" in flags:
-                out += [label] if hits else []
-            elif "c" in flags:
-                out.append(f"{label}:{len(hits)}" if labelled else str(len(hits)))
-            else:
-                prefix = f"{label}:" if labelled else ""
-                out += [prefix + (f"{n}:" if "n" in flags else "") + line for n, line in hits]
-        return "".join(line + "\n" for line in out), err
+                errors.append(f"grep: {arg}: No such file or directory\n")
+
+    def _search(self, compiled: regex.Pattern, line: str) -> bool:
+        """Whether the pattern is in the line, given at most the time the command line has left."""
+        left = self._time_left()
+        try:
+            return compiled.search(line, timeout=left) is not None
+        except TimeoutError:
+            if left > self.time_budget_s / 2:  # this one search took most of the budget: the pattern is to blame
+                raise _Stop("grep: regular expression too complex (timed out)") from None
+            raise self._time_up() from None  # the budget ran out over many lines
 
     def _echo(self, args: list[str], stdin: str | None) -> Output:
         if args and args[0] == "-n":
@@ -451,7 +601,7 @@ class Shell:
             return "", err
         if not operands:
             return "", "mkdir: missing operand\n"
-        for arg in operands:
+        for arg in self._each(operands):
             path = self.resolve(arg)
             if self.exists(path):
                 if not ("p" in flags and self.is_dir(path)):
@@ -471,7 +621,7 @@ class Shell:
         _, operands, err = _split_options("touch", args, "")
         if not operands and not err:
             return "", "touch: missing file operand\n"
-        for arg in operands if not err else []:
+        for arg in self._each(operands if not err else []):
             path = self.resolve(arg)
             if self.exists(path):
                 continue
@@ -487,7 +637,7 @@ class Shell:
             return "", err
         if not operands:
             return "", "" if "f" in flags else "rm: missing operand\n"
-        for arg in operands:
+        for arg in self._each(operands):
             path = self.resolve(arg)
             if path in self.files:
                 del self.files[path]
@@ -519,7 +669,7 @@ class Shell:
         into = self.is_dir(dst)
         if len(sources) > 1 and not into:
             return "", f"{prog}: target '{dst_arg}' is not a directory\n"
-        for src_arg in sources:
+        for src_arg in self._each(sources):
             src = self.resolve(src_arg)
             if not self.exists(src) or src == "":
                 err += f"{prog}: cannot stat '{src_arg}': No such file or directory\n"
@@ -571,7 +721,7 @@ class Shell:
         if err:
             return "", err
         sources: list[tuple[str, str]] = [] if operands else [("", stdin or "")]
-        for arg in operands:
+        for arg in self._each(operands):
             content, e = self._read("wc", arg)
             err += e
             if content is not None:
@@ -580,6 +730,7 @@ class Shell:
         totals = dict.fromkeys(keys, 0)
         lines = []
         for label, content in sources:
+            self._time_left()
             counts = {"l": content.count("\n"), "w": len(content.split()), "c": len(content.encode())}
             for k in keys:
                 totals[k] += counts[k]
@@ -609,23 +760,24 @@ class Shell:
             else:
                 operands.append(arg)
             if value is not None:
-                if not value.isdigit():
+                if not (value.isascii() and value.isdigit()) or len(value) > 9:  # "²" is a digit to isdigit()
                     return "", f"{prog}: invalid number of lines: '{value}'\n"
                 n = int(value)
             i += 1
         sources: list[tuple[str, str]] = [] if operands else [("", stdin or "")]
         err = ""
-        for arg in operands:
+        for arg in self._each(operands):
             content, e = self._read(prog, arg)
             err += e
             if content is not None:
                 sources.append((arg, content))
-        out = ""
+        out = _Output(self.max_stream_chars, prog)
         for label, content in sources:
+            self._time_left()
             lines = content.splitlines(keepends=True)
             part = lines[:n] if prog == "head" else lines[len(lines) - n :] if n else []
-            out += (f"==> {label} <==\n" if len(sources) > 1 else "") + "".join(part)
-        return out, err
+            out.write((f"==> {label} <==\n" if len(sources) > 1 else "") + "".join(part))
+        return out.text(), err
 
     def _pwd(self, args: list[str], stdin: str | None) -> Output:
         return f"/{self.cwd}\n", ""
@@ -655,11 +807,13 @@ def _command_line(action: str) -> str:
     return ""
 
 
-def _truncate(text: str, max_words: int = MAX_OUTPUT_WORDS) -> str:
-    words = list(re.finditer(r"\S+", text))
-    if len(words) <= max_words:
-        return text
-    return text[: words[max_words - 1].end()] + " ...(truncated)"
+def _truncate(text: str, max_words: int = MAX_OUTPUT_WORDS, max_chars: int = MAX_OUTPUT_CHARS) -> str:
+    """The text cut after `max_words` words or `max_chars` characters, whichever comes first, with a marker."""
+    head = text[:max_chars]
+    words = list(re.finditer(r"\S+", head))
+    if len(words) > max_words:
+        return head[: words[max_words - 1].end()] + " ...(truncated)"
+    return head + " ...(truncated)" if len(text) > max_chars else text
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Contract tests of the simulated terminal (`envs/terminal.py`): seeded tasks, disjoint splits, the expert, noisy
-actions, the assertion counts, shell semantics, state keys, and that no host command is ever run. Offline and fast."""
+actions, the assertion counts, shell semantics, state keys, the time and size bounds on hostile commands, and that no
+host command is ever run. Offline and fast."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 import random
 import shlex
 import subprocess
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -459,6 +462,135 @@ def test_sequences():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Bounds: hostile commands end quickly and stay small
+# ---------------------------------------------------------------------------------------------------------------------
+
+MARGIN_S = 2.0  # wall-time slack for a loaded 2-core machine
+PEAK_BYTES = 8 * 2**20  # Python allocations of a step: 8x the 1 MiB disk and output caps (measured ~1.2 MiB)
+
+
+def timed(fn, *args):
+    """(result, wall seconds, peak bytes traced by tracemalloc) of one call."""
+    tracemalloc.start()
+    start = time.monotonic()
+    try:
+        result = fn(*args)
+    finally:
+        elapsed = time.monotonic() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return result, elapsed, peak
+
+
+def blank_env(files: dict[str, str]) -> TerminalEnv:
+    env = TerminalEnv(0)
+    env.reset({"instruction": "x", "files": files, "assertions": []})
+    return env
+
+
+def test_catastrophic_regex_ends_within_the_budget():
+    # `(a+)+$` on 28 a's and a `!` tries 2^28 splits in Python's `re` (17.9 s measured); `regex` answers at once
+    env = blank_env({"f": "a" * 28 + "!\n"})
+    (observation, *_), elapsed, _ = timed(env.step, "grep -E '(a+)+$' f")
+    assert observation == "$ "  # the line does not end in a's: no match, nothing printed
+    assert elapsed < Shell.time_budget_s + MARGIN_S
+    # `(a|aa)+$` on 40 a's and a `!` tries Fibonacci(40) ~ 1e8 splits, too many for `regex` too: it times out
+    sh = shell({"f": "a" * 40 + "!\n"})
+    sh.time_budget_s = 0.5
+    out, elapsed, _ = timed(sh.run, "grep -E '(a|aa)+$' f")
+    assert out == "grep: regular expression too complex (timed out)"
+    assert 0.4 < elapsed < 0.5 + MARGIN_S
+
+
+def test_timed_out_grep_leaves_the_shell_usable():
+    env = blank_env({"f": "a" * 40 + "!\n"})
+    env.shell.time_budget_s = 0.3
+    key = env.state_key()
+    # the timeout ends the whole command line: the echo after it never runs
+    assert env.step("grep -E '(a|aa)+$' f; echo late > g")[0] == "grep: regular expression too complex (timed out)\n$ "
+    assert env.state_key() == key
+    assert env.step("echo ok > g")[0] == "$ "
+    assert env.step("grep -c a f; cat g")[0] == "1\nok\n$ "
+
+
+def test_time_budget_is_checked_between_commands_and_per_line():
+    sh = shell()
+    sh.time_budget_s = 0.0
+    assert sh.run("echo hi > a.txt") == "bash: time limit exceeded (0s per command line)"
+    assert "a.txt" not in sh.files  # stopped before the first command
+    # 200k lines take grep about half a second; with a 0.05 s budget it stops partway through them
+    sh = shell({"big.txt": "kiwi\n" * 200_000})
+    sh.time_budget_s = 0.05
+    out, elapsed, _ = timed(sh.run, "grep -c apple big.txt; echo never")
+    assert out == "bash: time limit exceeded (0.05s per command line)"
+    assert elapsed < 0.05 + MARGIN_S
+
+
+def test_cat_chain_never_grows_past_the_caps():
+    # each turn writes ten copies of the other file: 20 -> 200 -> 2,000 -> 20,000 -> 200,000 characters; the next
+    # would be 2,000,000, past the 1 MiB (1,048,576) output cap, so those turns fail and leave the files alone
+    env = blank_env({"a": "apple banana cherry\n"})
+    tracemalloc.start()
+    for turn in range(12):
+        src, dst = ("a", "b") if turn % 2 == 0 else ("b", "a")
+        start = time.monotonic()
+        observation = env.step(f"cat {' '.join([src] * 10)} > {dst}")[0]
+        assert time.monotonic() - start < Shell.time_budget_s + MARGIN_S
+        assert sum(map(len, env.shell.files.values())) <= Shell.max_disk_chars
+        full = turn >= 4 and turn % 2 == 0
+        assert observation == ("cat: write error: No space left on device\n$ " if full else "$ "), turn
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < PEAK_BYTES
+    assert (len(env.shell.files["a"]), len(env.shell.files["b"])) == (200_000, 20_000)
+    # five copies (1,000,000) fit the output cap, but not the disk beside the 220,000 already there
+    assert env.step("cat a a a a a > c")[0] == "cat: write error: No space left on device\n$ "
+    assert "c" not in env.shell.files
+    assert env.step("cat a a a a a a | wc -c")[0] == "cat: write error: No space left on device\n0\n$ "
+    # cat stops at the sixth copy of a (1,200,000 > 1,048,576); joined whole, 1,000 copies would be 200 MB
+    (observation, *_), _, peak = timed(env.step, "cat" + " a" * 1_000)
+    assert observation == "cat: write error: No space left on device\n$ " and peak < PEAK_BYTES
+
+
+def test_write_past_the_disk_cap_fails_like_a_full_disk():
+    sh = shell({"a": "x" * 100})
+    sh.max_disk_chars = 400
+    assert sh.disk_usage() == 165  # 64 (the entry) + 1 (the path) + 100 (the content)
+    assert sh.run("cat a a > b") == "cat: write error: No space left on device"  # b: 64 + 1 + 200 -> 430
+    assert sh.files == {"a": "x" * 100}  # as before the command: b, which `>` created, is gone again
+    assert sh.run("cat a > b") == ""  # 165 + 165 = 330
+    assert sh.run("echo more >> b") == ""  # + 5 = 335
+    assert sh.run("touch c") == ""  # + 64 + 1 = 400: exactly full
+    assert sh.run("mkdir d") == "mkdir: No space left on device"
+    assert sh.run("echo x > e") == "bash: e: No space left on device"  # creating e already fails
+    assert "d" not in sh.dirs and "e" not in sh.files
+    assert sh.run("rm c; mkdir d") == ""  # 400 - 65 + 65 = 400
+    assert sh.run("echo yy >> b") == "bash: echo: write error: No space left on device"
+    assert sh.run("echo x > b") == "" and sh.files["b"] == "x\n"  # shrinking a file always works: 297
+
+
+def test_long_actions_are_refused_quickly_and_observations_are_capped():
+    env = blank_env({})
+    # one 1 MB word (5 + 1,000,000 characters), and a million characters of words (4 + 3 * 333,333)
+    for action, length in (("echo " + "a" * 1_000_000, 1_000_005), ("echo" + " ab" * 333_333, 1_000_003)):
+        (observation, *_), elapsed, peak = timed(env.step, action)
+        assert observation == f"bash: command line too long ({length} characters, at most 10000)\n$ "
+        assert elapsed < Shell.time_budget_s + MARGIN_S and peak < PEAK_BYTES
+    assert env.step("echo hi\n" + "x" * 1_000_000)[0] == "hi\n$ "  # only the first line is the command
+    # under the line cap, one 9,000-character word is cut at 2,000 characters (the 40-word cut does not see it)
+    assert env.step("echo " + "b" * 9_000)[0] == "b" * 2_000 + " ...(truncated)\n$ "
+
+
+def test_grep_refuses_a_pattern_that_unrolls_too_far():
+    # `regex` compiles `(a{1000}){1000}` into a million nodes (about a second, with no timeout): refused up front
+    sh = shell({"f": "a\n"})
+    for pattern in ("(a{1000}){1000}", "((a{100}){100}){100}"):
+        out, elapsed, _ = timed(sh.run, f"grep -E '{pattern}' f")
+        assert out == "grep: regular expression too big" and elapsed < 0.5
+    assert sh.run("grep -cE 'a{1}' f") == "1"  # small counts are fine
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Safety: nothing runs on the host
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -467,7 +599,8 @@ def test_module_imports_nothing_that_reaches_the_host():
     tree = ast.parse(Path(terminal.__file__).read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert imported <= {"__future__", "collections", "envs", "hashlib", "json", "random", "re", "shlex"}
+    allowed = {"__future__", "collections", "envs", "hashlib", "json", "random", "re", "regex", "shlex", "time"}
+    assert imported <= allowed
     assert not {"subprocess", "os", "shutil", "pathlib", "pty"} & imported
 
 
@@ -490,3 +623,10 @@ def test_episodes_never_call_the_host(monkeypatch):
             for _ in range(env.max_turns):
                 if env.step(env.expert_action())[2]:
                     break
+
+
+def test_head_refuses_numbers_int_cannot_read_with_a_bash_error():
+    shell = Shell({"a": "x\ny\n"})
+    for bad in ("\u00b2", "9" * 5000):  # a superscript two passes str.isdigit; 5,000 digits pass int's limit
+        assert shell.run(f"head -n {bad} a").startswith("head: invalid number of lines")
+    assert shell.run("head -n 1 a") == "x"
