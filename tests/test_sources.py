@@ -250,7 +250,7 @@ def test_reward_names_and_import_paths(user_module):
     # soft overlong punishment over the run's budget: 0 up to 40 - 10 tokens, then linear down to -1 at 40
     assert funcs[2](completion_ids=[[0] * 30, [0] * 35, [0] * 41]) == [0.0, -0.5, -1.0]
     assert set(REWARD_NAMES) >= {"accuracy_reward", "think_format_reward", "exact_match_reward"}
-    with pytest.raises(SystemExit, match="reward function 'exactmatch' is unknown"):
+    with pytest.raises(SystemExit, match="reward_funcs entry 'exactmatch' is unknown"):
         load_reward_funcs(["exactmatch"])
     with pytest.raises(SystemExit, match="cannot import module"):
         load_reward_funcs(["nowhere_xyz.reward"])
