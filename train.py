@@ -102,6 +102,14 @@ class RunArguments:
     tiny_sft_steps: int | None = field(
         default=None, metadata={"help": "SFT steps of the tiny default's warm start (default: the environment's own)."}
     )
+    tiny_privileged_frac: float | None = field(
+        default=None,
+        metadata={
+            "help": "Share of the tiny default's demonstrations that show the task's privileged text (the expert's "
+            "plan, Env.privileged) after the first observation, so the model can read a teacher's context "
+            "(self-distillation methods; default 0: the standard build)."
+        },
+    )
     tiny_num_demos: int | None = field(
         default=None, metadata={"help": "Demonstrations the tiny default is warm-started on (default: 2000)."}
     )
@@ -215,6 +223,7 @@ def check_run(run: RunArguments, config, model_args) -> None:
             ("num_eval_tasks", run.num_eval_tasks, 1),
             ("tiny_sft_steps", run.tiny_sft_steps, 0),
             ("tiny_num_demos", run.tiny_num_demos, 1),
+            ("tiny_privileged_frac", run.tiny_privileged_frac, 0),
         ]
         if value is not None and value < low
     ]
@@ -224,6 +233,8 @@ def check_run(run: RunArguments, config, model_args) -> None:
     ]:
         if value is not None and value > most:
             problems.append(f"{name} {value:,} is more than the {most:,} a run generates; give a smaller number")
+    if run.tiny_privileged_frac is not None and run.tiny_privileged_frac > 1:
+        problems.append(f"tiny_privileged_frac must be in [0, 1], got {run.tiny_privileged_frac}")
     if config.max_steps == 0:
         problems.append("max_steps 0 trains nothing; give a positive number (or -1 to train by num_train_epochs)")
     if getattr(model_args, "use_peft", False) and model_args.lora_r < 1:
@@ -505,6 +516,8 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
     if name == "tiny" and sources.environment is None:  # a tiny default for the dataset, warm-started on its answers
         sizes = {"sft_steps": run.tiny_sft_steps, "num_demos": run.tiny_num_demos}
         sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
+        if run.tiny_privileged_frac:
+            raise SystemExit("error: tiny_privileged_frac needs an environment (its privileged text); not a dataset")
         return tiny_dataset_model(list(sources.train), seed=run.tiny_seed, **sizes)
     if ":" not in name:
         raise SystemExit(
@@ -512,7 +525,11 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
             f"environment it is tiny:<env> (tiny:{'|tiny:'.join(sorted(ENVIRONMENTS))}), and for your own "
             "environment name a model folder or Hub id"
         )
-    sizes = {"sft_steps": run.tiny_sft_steps, "num_demos": run.tiny_num_demos}
+    sizes = {
+        "sft_steps": run.tiny_sft_steps,
+        "num_demos": run.tiny_num_demos,
+        "privileged_frac": run.tiny_privileged_frac,
+    }
     sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
     return tiny_model(name, difficulty=run.difficulty, seed=run.tiny_seed, **sizes)
 

@@ -56,7 +56,7 @@ from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, dem
 from train import env_rows  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 
-METHODS = ("grpo", "ppo", "mpo", "gigpo", "taspo", "alignopsd")
+METHODS = ("grpo", "ppo", "mpo", "gigpo", "taspo", "alignopsd", "beta_opsd")
 EXTRA = (
     "taspo/teacher_forward_s",
     "taspo/analyzer_calls",
@@ -65,6 +65,7 @@ EXTRA = (
     "alignopsd/teacher_gen_s",
     "alignopsd/teacher_forward_s",
     "alignopsd/encoder_s",
+    "beta_opsd/teacher_forward_seconds",
 )
 #: per-method settings of the shipped tiny recipes (configs/<method>_shop.yaml) that differ from the method's defaults
 RECIPE = {"alignopsd": {"alignopsd_match_on": "action", "alignopsd_top_k": 2}}
@@ -174,6 +175,9 @@ def report(runs: dict[str, dict], opts: argparse.Namespace, earlier: dict | None
                     f"\n{method}, {mode}: teacher generation {gen:.3f} s ({gen / s:.0%} of the step), teacher "
                     f"forwards {fwd:.3f} s ({fwd / s:.0%}), encoder {enc:.3f} s per step"
                 )
+            if "beta_opsd/teacher_forward_seconds" in extra:
+                fwd = extra["beta_opsd/teacher_forward_seconds"]
+                lines.append(f"\n{method}, {mode}: student and teacher forwards {fwd:.3f} s per step ({fwd / s:.0%})")
             if "taspo/teacher_forward_s" in extra:
                 lines.append(
                     f"\n{method}, {mode}: teacher pass {extra['taspo/teacher_forward_s']:.3f} s per step "

@@ -79,6 +79,26 @@ class Env:
         """A plausible but wrong next action (used to make demonstrations noisy)."""
         raise NotImplementedError
 
+    def privileged(self, task: dict) -> str | None:
+        """What a teacher may read about `task` that the agent does not see: by default the plan the expert follows
+        from the start, its actions in order ("Plan: a | b | c"), played on a fresh copy of this environment (this
+        one's state is not touched). None when the environment has no expert or the expert does not finish within
+        `max_turns`. β-OPSD's teacher reads it (docs/methods/beta-opsd.md D8); an environment may override it with
+        any text, e.g. the documents that hold an answer."""
+        env = type(self).__new__(type(self))
+        env.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_")})
+        try:
+            env.reset(task)
+            actions = []
+            for _ in range(self.max_turns):
+                action = env.expert_action()
+                actions.append(action)
+                if env.step(action)[2]:
+                    return "Plan: " + " | ".join(a.strip() for a in actions)
+        except NotImplementedError:
+            return None
+        return None
+
 
 def noisy_expert_episode(env: Env, task: dict, noise: float, rng: random.Random) -> tuple[str, list[dict], bool]:
     """Play `env`'s expert on `task`, each turn taking `noisy_action` instead with probability `noise`.

@@ -83,6 +83,10 @@ class TinySpec:
     sft_lr: float = 3e-3
     seed: int = 0
     version: int = 2  # bump when the build recipe or an environment's text changes
+    #: share of demonstrations whose first user message also holds the task's privileged text (`Env.privileged`,
+    #: after a blank line) and whose actions follow it without noise: a model that can read a teacher's context
+    #: (docs/methods/beta-opsd.md §4). Left out of the cache key while 0, so earlier builds keep their keys.
+    privileged_frac: float = 0.0
 
     @classmethod
     def parse(cls, name: str, **overrides) -> TinySpec:
@@ -102,6 +106,8 @@ class TinySpec:
         from envs import ENVIRONMENTS
 
         settings = asdict(self)
+        if not settings["privileged_frac"]:
+            del settings["privileged_frac"]
         demo_version = getattr(ENVIRONMENTS.get(self.env), "demo_version", 0)
         if demo_version:
             settings["demo_version"] = demo_version
@@ -116,13 +122,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("AGENT_TRL_CACHE", Path.home() / ".cache" / "agent-trl"))
 
 
-def demonstrations(env_cls: type[Env], n: int, seed: int, difficulty: int, noise: float) -> list[list[dict]]:
-    """`n` chat transcripts of the expert on training tasks; each turn is a `noisy_action` with probability `noise`."""
-    rng = random.Random(seed)
+def demonstrations(
+    env_cls: type[Env], n: int, seed: int, difficulty: int, noise: float, privileged_frac: float = 0.0
+) -> list[list[dict]]:
+    """`n` chat transcripts of the expert on training tasks; each turn is a `noisy_action` with probability `noise`.
+    With `privileged_frac` > 0 that share of them (drawn with their own generator) shows the task's privileged text
+    after the first observation and follows it without noise."""
+    rng, picks = random.Random(seed), random.Random(seed + 1)
     demos = []
     for task in env_cls.make_tasks("train", n, seed=seed, difficulty=difficulty):
-        first, transcript, done = noisy_expert_episode(env_cls(difficulty=difficulty), task, noise, rng)
-        messages = [{"role": "user", "content": first}]
+        env = env_cls(difficulty=difficulty)
+        block = env.privileged(task) if privileged_frac and picks.random() < privileged_frac else None
+        first, transcript, done = noisy_expert_episode(env, task, 0.0 if block else noise, rng)
+        messages = [{"role": "user", "content": f"{first}\n\n{block}" if block else first}]
         for k, turn in enumerate(transcript):
             messages.append({"role": "assistant", "content": turn["action"]})
             if not (done and k == len(transcript) - 1):
@@ -263,7 +275,7 @@ def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> st
     if (folder / "model.safetensors").exists():
         return str(folder)
     env_cls = ENVIRONMENTS[spec.env]
-    demos = demonstrations(env_cls, spec.num_demos, spec.seed, spec.difficulty, spec.noise)
+    demos = demonstrations(env_cls, spec.num_demos, spec.seed, spec.difficulty, spec.noise, spec.privileged_frac)
     # the role words are repeated so that each becomes one token (short sequences are fast sequences)
     texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
     tokenizer = build_tokenizer(texts, spec.vocab_size)

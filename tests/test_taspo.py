@@ -601,7 +601,9 @@ def test_shift_pass_same_ids_same_layout_detached(trainer, echo, monkeypatch):
     real = teacher_logps(trainer, batch, blocks)
     assert (real.with_block - real.without_block).abs().max() > 1e-3  # a real block does shift the log-probs
     forwards = count_forwards(trainer, monkeypatch)
-    monkeypatch.setattr(teacher_module, "with_privileged_block", lambda messages, block: copy.deepcopy(messages))
+    monkeypatch.setattr(
+        teacher_module, "with_privileged_block", lambda messages, block, position="system_end": copy.deepcopy(messages)
+    )
     with torch.enable_grad():
         scored = teacher_logps(trainer, batch, blocks)
     (ids_with, mask_with, keep_with), (ids_plain, mask_plain, keep_plain) = forwards

@@ -5,6 +5,7 @@
 
 from trainers.alignopsd import AlignOPSDConfig, AlignOPSDTrainer
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer
+from trainers.beta_opsd import BetaOPSDConfig, BetaOPSDTrainer
 from trainers.draco import DRACOConfig, DRACOTrainer
 from trainers.gigpo import GiGPOConfig, GiGPOTrainer
 from trainers.mpo import MPOConfig, MPOTrainer
@@ -17,6 +18,7 @@ TRAINERS: dict[str, tuple[type, type]] = {
     "gigpo": (GiGPOTrainer, GiGPOConfig),
     "taspo": (TASPOTrainer, TASPOConfig),
     "alignopsd": (AlignOPSDTrainer, AlignOPSDConfig),
+    "beta_opsd": (BetaOPSDTrainer, BetaOPSDConfig),
     "ppo": (AgentPPOTrainer, PPOConfig),
     "mpo": (MPOTrainer, MPOConfig),
 }

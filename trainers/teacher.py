@@ -26,19 +26,34 @@ from torch import Tensor
 
 from trainers.agent_loop import left_padded, render_prompt_ids
 
-SOURCES = ("policy", "reference")
+SOURCES = ("policy", "reference", "initial")
+POSITIONS = ("system_end", "first_user_after_task", "first_user_before_task")
 
 
-def with_privileged_block(messages: list[dict] | str, block: str) -> list[dict]:
-    """The prompt messages with `block` appended to the end of the system message, after a blank line; when there is
-    no system message, one holding just the block is put first (teacher-pass.md Eq. 1). `messages` is not changed.
+def with_privileged_block(messages: list[dict] | str, block: str, position: str = "system_end") -> list[dict]:
+    """The prompt messages with `block` placed at `position` (teacher-pass.md Eq. 1, D7); `messages` is not changed.
+
+    `system_end`: appended to the end of the system message after a blank line; with no system message, one holding
+    just the block is put first. `first_user_after_task` / `first_user_before_task`: after (or before) the text of the
+    first user message, separated by a blank line; the conversation need not end with a user message.
 
     >>> with_privileged_block([{"role": "user", "content": "buy socks"}], "Hint: choose a size.")
     [{'role': 'system', 'content': 'Hint: choose a size.'}, {'role': 'user', 'content': 'buy socks'}]
     >>> with_privileged_block([{"role": "system", "content": "Be brief."}], "Hint.")[0]["content"]
     'Be brief.\\n\\nHint.'
+    >>> with_privileged_block("buy socks", "Plan: buy", position="first_user_after_task")[0]["content"]
+    'buy socks\\n\\nPlan: buy'
     """
+    if position not in POSITIONS:
+        raise ValueError(f"privileged block position must be one of {POSITIONS}, got {position!r}")
     out = [{"role": "user", "content": messages}] if isinstance(messages, str) else copy.deepcopy(list(messages))
+    if position != "system_end":
+        user = next((m for m in out if m.get("role") == "user"), None)
+        if user is None or not isinstance(user.get("content"), str):
+            raise ValueError(f"privileged block position {position!r} needs a text user message")
+        parts = [user["content"], block] if position == "first_user_after_task" else [block, user["content"]]
+        user["content"] = "\n\n".join(p for p in parts if p)
+        return out
     if out and out[0].get("role") == "system":
         content = out[0].get("content") or ""
         if not isinstance(content, str):
@@ -57,6 +72,23 @@ class TeacherOutput:
     without_block: Tensor  # (B, T) the same forward without the block (same routine, same chunking)
     rows: Tensor  # (B,) bool, the rows that had a block and were scored
     prompt_tokens_added: Tensor  # (B,) int, prompt length with the block minus without
+
+
+def initial_context(trainer, model):
+    """The model and context in which the initial policy scores (teacher-pass.md D7): the PEFT model with its adapter
+    disabled, else the frozen copy a trainer loaded as `initial_model`."""
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    if hasattr(unwrapped, "peft_config"):
+        from trl.trainer.utils import use_adapter
+
+        return model, use_adapter(unwrapped, adapter_name=None)
+    initial = getattr(trainer, "initial_model", None)
+    if initial is None:
+        raise ValueError(
+            "teacher source 'initial' needs a PEFT adapter (the base is the initial policy) or a frozen "
+            "copy of the initial weights in trainer.initial_model"
+        )
+    return initial, nullcontext()
 
 
 def reference_context(trainer, model):
@@ -81,9 +113,12 @@ def teacher_logps(
     blocks: list[str | None],
     source: str = "policy",
     batch_size: int | None = None,
+    position: str = "system_end",
+    plain: bool = True,
 ) -> TeacherOutput:
     """Log-probs of each row's own completion tokens under the teacher, with and without its privileged block
-    (teacher-pass.md Eq. 2-3). Rows whose block is None (or empty) are not scored.
+    (teacher-pass.md Eq. 2-3). Rows whose block is None (or empty) are not scored. `plain=False` skips the pass
+    without the block (`without_block` stays 0).
 
     The prompt with the block is rendered from the rollout's prompt messages and tools (`prompt_messages`,
     `prompt_tools` in `batch.rows`, recorded by the agent loop) with the tokenizer's chat template; the prompt without
@@ -94,8 +129,10 @@ def teacher_logps(
         trainer: an `AgentGRPOTrainer` (its model, tokenizer, accelerator, and `_get_per_token_logps_and_entropies`).
         batch (`RolloutBatch`): the generation batch (prompt_ids, prompt_mask, completion ids and mask, rows).
         blocks (`list[str | None]`): (B,) the privileged text per row.
-        source (`str`): `policy` (the pre-update policy) or `reference` (teacher-pass.md D2).
+        source (`str`): `policy` (the pre-update policy), `reference` (teacher-pass.md D2) or `initial` (D7).
         batch_size (`int`, *optional*): rows per forward.
+        position (`str`): where the block goes (`POSITIONS`, teacher-pass.md D7).
+        plain (`bool`): also run the pass without the block.
     """
     if source not in SOURCES:
         raise ValueError(f"teacher source must be one of {SOURCES}, got {source!r}")
@@ -116,26 +153,29 @@ def teacher_logps(
     tok = trainer.processing_class
     tok = getattr(tok, "tokenizer", tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    privileged, plain = [], []
+    privileged, unblocked = [], []
     for b in picked:
         row = batch.rows[b]
         if "prompt_messages" not in row:
             raise RuntimeError("the teacher pass needs the agent loop's prompt_messages (train with an environment)")
-        messages = with_privileged_block(row["prompt_messages"], blocks[b])  # Eq. 1
+        messages = with_privileged_block(row["prompt_messages"], blocks[b], position)  # Eq. 1
         privileged.append(render_prompt_ids(tok, messages, row.get("prompt_tools")))
         keep = batch.prompt_mask[b].bool()
-        plain.append(batch.prompt_ids[b][keep].tolist())
+        unblocked.append(batch.prompt_ids[b][keep].tolist())
     model = trainer.model
     context = nullcontext()
     if source == "reference":
         model, context = reference_context(trainer, model)
+    elif source == "initial":
+        model, context = initial_context(trainer, model)
     was_training = model.training
     model.eval()
     size = batch_size or trainer.args.per_device_train_batch_size
     completion_ids, completion_mask = batch.completion_ids[picked], batch.completion_mask[picked]
     try:
         with context, trainer.free_routing():  # MoE: the sampler's routes belong to another context; route freely
-            for prompts, target in ((privileged, out.with_block), (plain, out.without_block)):
+            passes = [(privileged, out.with_block)] + [(unblocked, out.without_block)] * plain
+            for prompts, target in passes:
                 prompt_ids, prompt_mask = left_padded(prompts, pad_id, device)
                 input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # Eq. 2: the rollout's own ids
                 attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -144,9 +184,35 @@ def teacher_logps(
     finally:
         model.train(was_training)
     out.prompt_tokens_added[picked] = torch.tensor(
-        [len(p) - len(q) for p, q in zip(privileged, plain, strict=True)], device=device
+        [len(p) - len(q) for p, q in zip(privileged, unblocked, strict=True)], device=device
     )
     return out
+
+
+@torch.no_grad()
+def plain_logps(trainer, batch, source: str = "policy", batch_size: int | None = None) -> Tensor:
+    """(B, T) log-probs of every row's completion tokens after its own prompt (`batch.prompt_ids`), under `source`
+    (`SOURCES`), in eval mode at the sampling temperature, through the same routine as `teacher_logps`: the student's
+    side of a teacher pass when the trainer keeps no old log-probs (β-OPSD's current-student reference)."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    model, context = trainer.model, nullcontext()
+    if source == "reference":
+        model, context = reference_context(trainer, model)
+    elif source == "initial":
+        model, context = initial_context(trainer, model)
+    T = batch.completion_ids.shape[1]
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    was_training = model.training
+    model.eval()
+    try:
+        with context, trainer.free_routing():
+            size = batch_size or trainer.args.per_device_train_batch_size
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, T, size)
+    finally:
+        model.train(was_training)
+    return logps.float() * batch.completion_mask.float()
 
 
 @torch.no_grad()
