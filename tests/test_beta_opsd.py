@@ -584,3 +584,12 @@ def test_bitwise_deterministic(space):
     first, second = run(), run()
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
+
+
+def test_padding_and_unused_parts_never_turn_into_nan():
+    """A -inf log-prob on a padded position does not reach the loss, and at λ_d = 0 an infinite G (a target that gives
+    the sampled token probability 0) is ignored, as Eq. 10 says."""
+    loss = beta_opsd_loss(torch.tensor([[-1.0, -math.inf]]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1, 0]]))
+    assert loss.item() == -1.0
+    adv = blend_advantages(torch.tensor([[math.inf]]), torch.tensor([0.5]), torch.tensor([[1]]), 0.0)
+    assert adv.item() == 0.5

@@ -206,15 +206,16 @@ def reward_to_go(rho: Tensor, mask: Tensor, gamma: float, turn_index: Tensor | N
 def beta_opsd_loss(logp: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """Eq. 9 (minimised): (1/B) Σ_b (1/M_b) Σ_t m_t·sg(G_t)·log π(y_t); only `logp` carries a gradient. A row with no
     model token contributes 0 (its count is clamped to 1, C6)."""
-    m = mask.to(logp.dtype)
-    per_row = (m * returns.detach().to(logp.dtype) * logp).sum(-1) / m.sum(-1).clamp(min=1.0)
+    m = mask.bool()
+    terms = torch.where(m, returns.detach().to(logp.dtype) * logp, torch.zeros_like(logp))  # padding may hold -inf
+    per_row = terms.sum(-1) / m.sum(-1).clamp(min=1).to(logp.dtype)
     return per_row.mean()  # Eq. 9
 
 
 def blend_advantages(returns: Tensor, adv_grpo: Tensor, mask: Tensor, weight: float) -> Tensor:
     """A_t = (1 − λ_d)·Â_b − λ_d·G_t of Eq. 10 on model tokens, 0 on environment tokens and padding (C14); Â is
     ignored at λ_d = 1. `adv_grpo`: (B,) TRL's group advantage. Returns (B, T) float64."""
-    distill = -weight * returns.double()
+    distill = -weight * returns.double() if weight > 0.0 else torch.zeros_like(returns, dtype=torch.float64)
     if weight < 1.0:
         distill = distill + (1.0 - weight) * adv_grpo.double().unsqueeze(1)
     return torch.where(mask.bool(), distill, torch.zeros_like(distill))  # Eq. 10
