@@ -27,13 +27,12 @@ class Recording(BetaOPSDTrainer):
         return self.adv
 
 
-@pytest.fixture(scope="module")
-def scored(tiny_model_folder, tmp_path_factory):
+def scored_batch(folder, out_dir, **fields):
     """One generation batch of 4 echo episodes, the privileged text from a `hint` column (two rows without one)."""
     rows = [{"prompt": "say apple", "task": {"words": ["apple", "river", "stone"]}, "hint": h} for h in HINTS]
     data = Dataset.from_list(rows[:2])
     args = BetaOPSDConfig(
-        output_dir=str(tmp_path_factory.mktemp("opsd")),
+        output_dir=out_dir,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=1,
         num_generations=2,
@@ -43,12 +42,18 @@ def scored(tiny_model_folder, tmp_path_factory):
         max_steps=10,
         opsd_privileged="column:hint",
         **CPU_ARGS,
+        **fields,
     )
-    trainer = Recording(model=tiny_model_folder, train_dataset=data, args=args, env_factory=lambda r: EchoEnv())
+    trainer = Recording(model=folder, train_dataset=data, args=args, env_factory=lambda r: EchoEnv())
     trainer.model.train()
     torch.manual_seed(0)
     out = trainer._generate_and_score_completions([dict(r) for r in rows])
     return trainer, out
+
+
+@pytest.fixture(scope="module")
+def scored(tiny_model_folder, tmp_path_factory):
+    return scored_batch(tiny_model_folder, str(tmp_path_factory.mktemp("opsd")))
 
 
 def unpadded_logps(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
@@ -92,6 +97,49 @@ def test_advantages_follow_from_separate_forwards_of_student_and_teacher(scored)
                 expected[t] = -running
         assert torch.allclose(adv[b, :n].double(), expected, atol=1e-5), b
         assert (adv[b, n:] == 0).all()
+
+
+def unpadded_full_logps(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """(len(completion), V) log softmax(logits / temperature) at each completion position, one unpadded forward."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float() / temperature
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).double()
+
+
+def test_logit_full_target_and_blending_follow_separate_full_forwards(tiny_model_folder, tmp_path):
+    """`target_space: logit_full` (Eq. 5) with λ_d = 0.5 (Eq. 10): per row, the normalised geometric interpolant of
+    the student's and the teacher's full next-token distributions, from unpadded forwards written here, gives ρ, G and
+    A = 0.5·Â − 0.5·G; a row without a hint keeps 0.5·Â on its model tokens."""
+    trainer, _ = scored_batch(
+        tiny_model_folder, str(tmp_path), target_space="logit_full", distillation_weight=0.5, logz_chunk_rows=3
+    )
+    batch, adv, tok, temp, w = trainer.seen, trainer.adv, trainer.processing_class, trainer.temperature, 0.5
+    for b, row in enumerate(batch.rows):
+        n = int(batch.completion_mask[b].sum())
+        completion = batch.completion_ids[b, :n].tolist()
+        model_tokens = batch.mask[b, :n].bool()
+        grpo = 0.5 * batch.advantages[b].double()
+        if not row["hint"]:
+            assert torch.allclose(adv[b, :n].double(), torch.where(model_tokens, grpo, 0.0), atol=1e-6)
+            continue
+        prompt = batch.prompt_ids[b][batch.prompt_mask[b].bool()].tolist()
+        teacher_prompt = render_prompt_ids(
+            tok, with_privileged_block(row["prompt_messages"], row["hint"], "first_user_after_task"), None
+        )
+        student = unpadded_full_logps(trainer.model, prompt, completion, temp)
+        teacher = unpadded_full_logps(trainer.initial_model, teacher_prompt, completion, temp)
+        mixed = (1 - w) * student + w * teacher  # Eq. 5, unnormalised
+        ids = torch.tensor(completion).unsqueeze(1)
+        target = mixed.gather(1, ids).squeeze(1) - torch.logsumexp(mixed, dim=-1)
+        rho = torch.where(model_tokens, student.gather(1, ids).squeeze(1) - target, 0.0)
+        expected, running = torch.zeros(n, dtype=torch.float64), 0.0
+        for t in range(n - 1, -1, -1):
+            if model_tokens[t]:
+                running = rho[t].item() + 0.99 * running
+                expected[t] = grpo - 0.5 * running
+        assert torch.allclose(adv[b, :n].double(), expected, atol=1e-5), b
+    logged = trainer._metrics["train"]
+    assert logged["beta_opsd/logZ_mean"][-1] <= 0  # Eq. 11: log Z <= 0 with the current-student reference
 
 
 def test_trl_loss_with_a_equal_minus_g_has_the_gradient_of_eq9(scored):

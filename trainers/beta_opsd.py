@@ -28,6 +28,7 @@ with a privileged text), `teacher_forward_seconds`, and with λ_d < 1 `grpo_part
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -262,55 +263,60 @@ class BetaOPSDTrainer(AgentGRPOTrainer):
         model.requires_grad_(False)
         return self.accelerator.prepare_model(model, evaluation_mode=True)
 
-    def privileged_text(self, row: dict) -> str | None:
-        """The row's privileged text (`opsd_privileged`); None or "" sends the row to the fallback (A = 0)."""
+    def privileged_texts(self, rows: list[dict]) -> list[str | None]:
+        """Each row's privileged text (`opsd_privileged`); None or "" gives the row no distillation signal. From the
+        environment, the text is computed once per task (a generation batch holds each task G times)."""
         spec = self.args.opsd_privileged
-        if spec == "env":
-            from envs.base import row_task
+        if spec != "env":
+            return [str(row.get(spec.partition(":")[2]) or "") or None for row in rows]
+        from envs.base import row_task
 
-            return self.env_factory(row).privileged(row_task(row))
-        return str(row.get(spec.partition(":")[2]) or "") or None
+        keys = [json.dumps(row_task(row), sort_keys=True, default=str) for row in rows]
+        texts: dict[str, str | None] = {}
+        for key, row in zip(keys, rows, strict=True):
+            if key not in texts:
+                texts[key] = self.env_factory(row).privileged(row_task(row))
+        return [texts[key] for key in keys]
 
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
         args = self.args
         w = teacher_weight(self.state.global_step, args.teacher_weight_start, args.teacher_weight_end,
                            self.schedule_steps)  # fmt: skip  # C16: fixed for the generation batch
         mask = batch.mask
-        blocks = [self.privileged_text(row) for row in batch.rows]
+        blocks = self.privileged_texts(batch.rows)
+        has_text = torch.tensor([bool(b) for b in blocks], dtype=torch.bool, device=mask.device)
         start = time.perf_counter()
-        source = "initial" if args.opsd_teacher == "fixed" else "policy"
         logp_old = plain_logps(self, batch)  # the current student on its own prompt (D2, D6), no gradient
-        scored = teacher_logps(self, batch, blocks, source=source, position=args.opsd_position, plain=False)
-        logp_teacher = scored.with_block
-        if args.opsd_reference == "current_student":
-            logp_ref = logp_old
-        else:  # the initial policy on the plain prompt
-            logp_ref = plain_logps(self, batch, source="initial")
         log_z = None
         if args.target_space == "prob_sampled":
+            source = "initial" if args.opsd_teacher == "fixed" else "policy"
+            logp_teacher = teacher_logps(
+                self, batch, blocks, source=source, position=args.opsd_position, plain=False
+            ).with_block
+            logp_ref = logp_old if args.opsd_reference == "current_student" else plain_logps(self, batch, "initial")
             log_target = mixture_target_logps(logp_ref.double(), logp_teacher.double(), w)  # Eq. 6
-        else:
-            log_target, log_z = self._geometric_target(batch, blocks, w)  # Eq. 5
+        else:  # the full-vocabulary passes also give the teacher's sampled-token log-probs
+            log_target, log_z, logp_teacher = self._geometric_target(batch, blocks, w)  # Eq. 5
         seconds = time.perf_counter() - start
-        valid = mask.bool() & scored.rows.unsqueeze(1)  # rows without a privileged text carry no signal
+        valid = mask.bool() & has_text.unsqueeze(1)  # rows without a privileged text carry no signal
         rho = token_mismatch(logp_old.double(), log_target, valid)  # Eq. 7
         gamma = args.rtg_gamma if args.rtg else 0.0  # γ = 0 is the local estimator
         turns = batch.turn_index if args.rtg_scope == "turn" else None
         returns = reward_to_go(rho, valid, gamma, turns)  # Eq. 8
         if args.advantage_clip is not None:  # D17 (C17: after the return-to-go)
             returns = returns.clamp(-args.advantage_clip, args.advantage_clip)
-        adv = blend_advantages(returns, batch.advantages, valid, args.distillation_weight)  # Eq. 10
-        if args.distillation_weight < 1.0:  # rows without a privileged text keep GRPO's part
-            plain_rows = mask.bool() & ~scored.rows.unsqueeze(1)
-            grpo_only = (1.0 - args.distillation_weight) * batch.advantages.double().unsqueeze(1)
-            adv = torch.where(plain_rows, grpo_only, adv)
-        self._log_opsd(batch, w, rho, returns, valid, logp_old, logp_teacher, log_z, scored.rows, seconds)
+        # Eq. 10 on every model token: a row without a privileged text has G = 0, so it keeps GRPO's part alone
+        adv = blend_advantages(returns, batch.advantages, mask, args.distillation_weight)
+        self._log_opsd(batch, w, rho, returns, valid, logp_old, logp_teacher, log_z, has_text, seconds)
         return adv.to(batch.advantages.dtype)
 
     @torch.no_grad()
-    def _geometric_target(self, batch: RolloutBatch, blocks: list[str | None], w: float) -> tuple[Tensor, Tensor]:
+    def _geometric_target(
+        self, batch: RolloutBatch, blocks: list[str | None], w: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Eq. 5 from full-vocabulary log-softmax outputs of the reference (plain prompt) and the teacher (privileged
-        prompt), `logz_chunk_rows` rows at a time so that only (rows, T, V) is held (D15)."""
+        prompt), `logz_chunk_rows` rows at a time so that only (rows, T, V) is held (D15). Returns (B, T) log p̃(y_t),
+        log Z_t and the teacher's log-probs of the sampled tokens, 0 off the completion and on rows without a text."""
         args = self.args
         B, T = batch.completion_ids.shape
         device = batch.completion_ids.device
@@ -321,6 +327,7 @@ class BetaOPSDTrainer(AgentGRPOTrainer):
         )
         log_target = torch.zeros(B, T, dtype=torch.float64, device=device)
         log_z = torch.zeros(B, T, dtype=torch.float64, device=device)
+        teacher_chosen = torch.zeros(B, T, device=device)
         for lo in range(0, B, args.logz_chunk_rows):
             rows = [b for b in range(lo, min(B, lo + args.logz_chunk_rows)) if blocks[b]]
             if not rows:
@@ -345,7 +352,8 @@ class BetaOPSDTrainer(AgentGRPOTrainer):
                 teacher = self._full_logps(teacher_model, privileged, ids, cmask, pad_id)
             chosen, z = geometric_target_logps(ref, teacher, ids, w)  # Eq. 5
             log_target[rows], log_z[rows] = chosen.double(), z.double()
-        return log_target, log_z
+            teacher_chosen[rows] = teacher.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * cmask
+        return log_target, log_z, teacher_chosen
 
     def _full_logps(self, model, prompts: list[list[int]], ids: Tensor, cmask: Tensor, pad_id: int) -> Tensor:
         """(rows, T, V) log-softmax at the sampling temperature over the completion positions, through the model's
