@@ -626,6 +626,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"held-out success before RL: {json.dumps(summary['before'])}")
         del model
     env = sources.environment
+    if run.trainer == "funnel":  # a loop of phases around consolidation trainers (docs/methods/funnel.md)
+        return run_funnel_report(run, config, model_args, sources, tokenizer, summary, name, start)
     trainer = trainer_cls(
         model=model_args.model_name_or_path,
         reward_funcs=sources.reward_funcs,
@@ -678,6 +680,23 @@ def main(argv: list[str] | None = None) -> dict:
             rollouts_per_step=summary["rollouts_per_step"],
             held_out={k: summary[k]["sampled"]["success" if env else "reward"] for k in summary if k in HELD_OUT},
         )
+    return summary
+
+
+def run_funnel_report(run, config, model_args, sources, tokenizer, summary, name, start) -> dict:
+    """The Experience Funnel's loop (trainers/funnel_loop.py), then the same held-out report as every run, state-free,
+    plus the loop's own: the test split under the final, residual and full states, gate decisions, rollouts spent."""
+    from trainers.funnel_loop import run_funnel
+
+    result, model = run_funnel(run, config, model_args, sources, model_args.model_name_or_path, tokenizer)
+    summary["funnel"] = {k: v for k, v in result.items() if k != "log_history"}
+    if not run.skip_eval:
+        summary["after"] = held_out(model, tokenizer, sources, run, config)
+        print(f"held-out success after the Funnel (state-free): {json.dumps(summary['after'])}")
+    summary["wall_seconds"] = round(time.time() - start, 1)
+    summary["rollouts_per_step"] = config.generation_batch_size
+    summary["log_history"] = result["log_history"]
+    write_summary(os.path.join(config.output_dir, "summary.json"), summary)
     return summary
 
 

@@ -7,6 +7,7 @@ from trainers.alignopsd import AlignOPSDConfig, AlignOPSDTrainer
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer
 from trainers.beta_opsd import BetaOPSDConfig, BetaOPSDTrainer
 from trainers.draco import DRACOConfig, DRACOTrainer
+from trainers.funnel import FunnelConfig, FunnelTrainer
 from trainers.gigpo import GiGPOConfig, GiGPOTrainer
 from trainers.mpo import MPOConfig, MPOTrainer
 from trainers.ppo import AgentPPOTrainer, PPOConfig
@@ -19,6 +20,7 @@ TRAINERS: dict[str, tuple[type, type]] = {
     "taspo": (TASPOTrainer, TASPOConfig),
     "alignopsd": (AlignOPSDTrainer, AlignOPSDConfig),
     "beta_opsd": (BetaOPSDTrainer, BetaOPSDConfig),
+    "funnel": (FunnelTrainer, FunnelConfig),
     "ppo": (AgentPPOTrainer, PPOConfig),
     "mpo": (MPOTrainer, MPOConfig),
 }
