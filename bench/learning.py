@@ -158,11 +158,15 @@ def grouped(rows: list[Row]) -> dict[tuple[str, int], list[Row]]:
 
 
 def curve(summary: dict) -> list[tuple[float, float]]:
-    """(rollouts so far, training success) at every logged step; for a single-turn dataset run (no `env/success`),
+    """(rollouts so far, training success) at every logged step (`rollouts_spent` where a run logs it: every rollout
+    it played, training or not); for a single-turn dataset run (no `env/success`),
     the mean training reward (for a 0/1 reward such as exact match, the accuracy)."""
     per_step = summary["rollouts_per_step"]
     key = "env/success" if any("env/success" in row for row in summary["log_history"]) else "reward"
-    return [(row["step"] * per_step, row[key]) for row in summary["log_history"] if key in row]
+    # a run that also spends rollouts outside training (the Funnel's gates and selection) logs the running total
+    return [
+        (row.get("rollouts_spent", row["step"] * per_step), row[key]) for row in summary["log_history"] if key in row
+    ]
 
 
 def held_out(summary: dict, when: str, mode: str = "sampled") -> float | None:

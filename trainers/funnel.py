@@ -449,7 +449,7 @@ class FunnelTrainer(AgentGRPOTrainer):
         """Eq. 6-7 on the micro-batch, divided by the gradient-accumulation steps as TRL divides its loss."""
         c = inputs["funnel_c"]
         rows = (c > 0).nonzero().flatten()
-        if len(rows) == 0:  # F14: no selected row, an exact 0 with a (zero) gradient
+        if len(rows) == 0:  # D14: no selected row, an exact 0 with a (zero) gradient
             p = next(q for q in model.parameters() if q.requires_grad)
             return p.sum() * 0.0
         ids, cmask = inputs["completion_ids"][rows], inputs["completion_mask"][rows]

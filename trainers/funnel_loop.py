@@ -115,7 +115,7 @@ def play_condition(model, tokenizer, factory, tasks: list[dict], state: State | 
 
 
 def rewards_of(rollouts, n: int) -> list[list[float]]:
-    """(tasks, n) episodic rewards (F18) of task-major rollouts."""
+    """(tasks, n) episodic rewards (D18) of task-major rollouts."""
     r = [float(x.env_reward) for x in rollouts]
     return [r[i : i + n] for i in range(0, len(r), n)]
 
@@ -262,9 +262,15 @@ class FunnelLoop:
         history = [h for h in self.progress["history"] if h["kind"] == "state"]
         proposal = self.editor.propose(state, evidence, history)
         new, applied, dropped = self._apply(state, proposal.ops, k)
-        record = {"kind": "state", "round": k, "ops": applied, "dropped": dropped,
+        version = sum(h["kind"] == "checkpoint" and h["accept"] for h in self.progress["history"])
+        record = {"kind": "state", "round": k, "ops": applied, "dropped": dropped, "weights_version": version,
                   "evidence_success": sum(e.success for e in evidence) / max(1, len(evidence))}  # fmt: skip
-        if applied:
+        repeat = any(h.get("weights_version") == version and not h["accept"] and h["ops"] == applied
+                     and h.get("state_before") == state.to_dict() for h in history)  # fmt: skip
+        record["state_before"] = state.to_dict()
+        if applied and repeat:  # D23: the same edit of the same state, already rejected under these weights
+            record.update(accept=False, reason="repeats an edit rejected under the same weights")
+        elif applied:
             gate = self._gate(new, state, c.seed * 104729 + k, "improve", "state_gate")
             record.update(gate.as_dict())
             if gate.accept:
@@ -297,13 +303,18 @@ class FunnelLoop:
         counts = _transition_counts(weights, c.alpha)
         before = snapshot(self.model)  # D15
         trainer = self._trainer(pool, ids, weights, state, k)
+        spent = sum(self.progress["rollouts"].values())  # every rollout so far: evidence, gates, selection, training
         trainer.train()
-        self._spend("consolidation", trainer.state.global_step * c.generation_batch_size // max(
-            1, c.num_iterations * c.steps_per_generation // c.gradient_accumulation_steps))  # fmt: skip
+        per_step = c.generation_batch_size / max(
+            1, c.num_iterations * c.steps_per_generation // c.gradient_accumulation_steps
+        )
+        self._spend("consolidation", round(trainer.state.global_step * per_step))
         offset = self.progress.setdefault("steps_done", 0)  # consolidations' steps, one after another on the curves
         self.progress["log_history"] += [
-            {**row, "step": row.get("step", 0) + offset, "consolidation": k} for row in trainer.state.log_history
-        ]
+            {**row, "step": row.get("step", 0) + offset, "consolidation": k,
+             "rollouts_spent": spent + row.get("step", 0) * per_step}
+            for row in trainer.state.log_history
+        ]  # fmt: skip
         self.progress["steps_done"] = offset + trainer.state.global_step
         trainer.drop_teacher()
         after = snapshot(self.model)
@@ -325,7 +336,7 @@ class FunnelLoop:
         self.progress["state_full"] = self.progress["state"]
         self._log(record)
         self.residual(k)
-        self.progress["state_prev"] = self.progress["state"]  # F9: what the policy was distilled with
+        self.progress["state_prev"] = self.progress["state"]  # D9: what the policy was distilled with
         self.commit(f"consolidated-{k}")
         if old and old != folder:
             shutil.rmtree(self.out / old, ignore_errors=True)
@@ -425,6 +436,9 @@ class FunnelLoop:
         out = {}
         for name, st in [("policy_state_free", None), ("policy_residual_state", self.state),
                          ("policy_full_state", full)]:  # fmt: skip
+            if st is not None and not st.entries:  # an empty state is the plain prompt: the same episodes
+                out[name] = dict(out["policy_state_free"])
+                continue
             rollouts = play_condition(self.model, self.tokenizer, self.factory, self.test_tasks, st, n, seed,
                                       self.settings, c.state_position, c.temperature, 100)  # fmt: skip
             out[name] = _success(rollouts)
