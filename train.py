@@ -241,8 +241,8 @@ def check_run(run: RunArguments, config, model_args) -> None:
         problems.append(f"lora_r must be >= 1 with use_peft, got {model_args.lora_r}")
     if problem := model_problem(model_args.model_name_or_path):
         problems.append(problem)
-    for role in ("judge", "analyzer"):  # an API judge that cannot answer would make every reward None
-        if getattr(config, f"{role}_backend", None) == "openai":
+    for role in ("judge", "analyzer", "editor"):  # an API judge that cannot answer would make every reward None
+        if getattr(config, f"{role}_backend", None) == "openai" or getattr(config, role, None) == "openai":
             base_url, key_env = getattr(config, f"{role}_base_url"), getattr(config, f"{role}_api_key_env")
             timeout = min(float(getattr(config, f"{role}_timeout", 30.0)), 30.0)
             if problem := check_endpoint(base_url, key_env, timeout):

@@ -14,7 +14,10 @@ with the offline oracle analyzer (its calls, and the teacher pass: two no-grad p
 matched rules). For TASPO the table adds the teacher pass's share of the step and the analyzer calls and estimated
 tokens per optimizer step (the oracle's tokens are the prompt characters / 4, what an API analyzer would be sent).
 AlignOPSD runs with its shop recipe's settings (matching by action, K = 2, teacher generations of one turn's tokens);
-the table adds its teacher generation, teacher forwards and encoder time per step.
+the table adds its teacher generation, teacher forwards and encoder time per step. The Funnel runs one consolidation
+step at its most expensive (a one-entry state, every task selected: the JSD attribution's two teacher forwards and the
+distillation's student and teacher forwards on every row); its loop's other costs (evidence, gates, selection, editor
+calls) are episodes and requests, counted per run in summary.json's `funnel.rollouts`.
 
 Each method runs twice: learning (learning rate 1e-3), where every method plays its own episodes and their lengths
 drift apart as the policies move (a policy that learns shorter episodes generates and trains faster), and with the
@@ -56,7 +59,7 @@ from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, dem
 from train import env_rows  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 
-METHODS = ("grpo", "ppo", "mpo", "gigpo", "taspo", "alignopsd", "beta_opsd")
+METHODS = ("grpo", "ppo", "mpo", "gigpo", "taspo", "alignopsd", "beta_opsd", "funnel")
 EXTRA = (
     "taspo/teacher_forward_s",
     "taspo/analyzer_calls",
@@ -66,7 +69,11 @@ EXTRA = (
     "alignopsd/teacher_forward_s",
     "alignopsd/encoder_s",
     "beta_opsd/teacher_forward_seconds",
+    "funnel/teacher_forward_seconds",
 )
+#: the Funnel's consolidation step at its most expensive: a one-entry state and every task selected (c = 1), so every
+#: row gets the JSD attribution (two teacher forwards) and the reverse KL (a student and a teacher forward)
+FUNNEL_STATE = "Notes from experience:\n- Steps that worked: search -> click -> choose -> buy"
 #: per-method settings of the shipped tiny recipes (configs/<method>_shop.yaml) that differ from the method's defaults
 RECIPE = {"alignopsd": {"alignopsd_match_on": "action", "alignopsd_top_k": 2}}
 LENGTH = "completions/mean_length"  # TRL's metric, averaged over the run (logging_strategy "no": one log at the end)
@@ -119,6 +126,9 @@ def step_seconds(
         processing_class=AutoTokenizer.from_pretrained(folder, padding_side="left"),
         env_factory=source.factory,
     )
+    if method == "funnel":
+        trainer.selection = {row["task_id"]: 1.0 for row in trainer.train_dataset}
+        trainer.state_block = lambda row: FUNNEL_STATE
     torch.manual_seed(0)
     start = time.perf_counter()
     trainer.train()
@@ -178,6 +188,11 @@ def report(runs: dict[str, dict], opts: argparse.Namespace, earlier: dict | None
             if "beta_opsd/teacher_forward_seconds" in extra:
                 fwd = extra["beta_opsd/teacher_forward_seconds"]
                 lines.append(f"\n{method}, {mode}: student and teacher forwards {fwd:.3f} s per step ({fwd / s:.0%})")
+            if "funnel/teacher_forward_seconds" in extra:
+                fwd = extra["funnel/teacher_forward_seconds"]
+                lines.append(
+                    f"\n{method}, {mode}: JSD attribution (teacher forwards) {fwd:.3f} s per step ({fwd / s:.0%})"
+                )
             if "taspo/teacher_forward_s" in extra:
                 lines.append(
                     f"\n{method}, {mode}: teacher pass {extra['taspo/teacher_forward_s']:.3f} s per step "

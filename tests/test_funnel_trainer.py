@@ -332,3 +332,41 @@ def test_kill_9_then_resume_ends_where_the_uninterrupted_loop_ends(tiny_model_fo
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert sum(h["kind"] == "checkpoint" and h["accept"] for h in expected["history"]) == 2
     assert (killed / "weights-2" / "weights.pt").is_file() and not (killed / "weights-1").exists()
+
+
+SMALL = ["--tiny_privileged_frac", "0", "--rounds", "2", "--collect_tasks", "4", "--selection_tasks", "4",
+         "--gate_tasks", "4", "--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
+         "--num_train_tasks", "40", "--num_eval_tasks", "6", "--logging_steps", "1"]  # fmt: skip
+
+
+def test_train_py_runs_the_loop_and_reports_it(tmp_path):
+    """`python train.py --config configs/funnel_shop.yaml` (shrunk): the loop runs, summary.json holds the usual
+    before/after evaluation, the loop's history, rollouts per phase and the test report, and the gate plot exists."""
+    import json
+
+    import train
+
+    out = tmp_path / "run"
+    summary = train.main(["--config", "configs/funnel_shop.yaml", *SMALL, "--output_dir", str(out)])
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["trainer"] == "funnel" and {"before", "after", "funnel"} <= set(saved)
+    funnel = summary["funnel"]
+    assert [h["kind"] for h in funnel["history"] if h["kind"] != "residual"] == ["state", "state", "checkpoint"]
+    spent = funnel["rollouts"]
+    assert spent["consolidation"] == 2 * 8 and spent["total"] == sum(v for k, v in spent.items() if k != "total")
+    assert set(funnel["test"]) == {"policy_state_free", "policy_residual_state", "policy_full_state",
+                                   "initial_state_free"}  # fmt: skip
+    assert (out / "funnel.json").is_file() and (out / "funnel.png").is_file()
+    rows = [r for r in saved["log_history"] if "rollouts_spent" in r]
+    assert rows and all(r["rollouts_spent"] >= r["step"] * 8 for r in rows)
+
+
+def test_an_unreachable_editor_stops_the_run_at_start_up(tmp_path, monkeypatch):
+    """The API editor's endpoint is probed before any model is built, as the judges' are."""
+    import train
+
+    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before probing the editor"))
+    argv = ["--config", "configs/funnel_shop.yaml", *SMALL, "--output_dir", str(tmp_path), "--editor", "openai",
+            "--editor_model", "m", "--editor_base_url", "http://127.0.0.1:9/v1"]  # fmt: skip
+    with pytest.raises(SystemExit, match="editor_base_url"):
+        train.main(argv)

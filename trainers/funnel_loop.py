@@ -58,18 +58,23 @@ PROGRESS = "funnel.json"
 
 
 def split_tasks(rows: list[dict], n_sel: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(D_train, D_sel): the `n_sel` rows whose sha256 of (seed, task id) is smallest form D_sel (D16); the order of
-    `rows` does not matter. A row without `task_id` is keyed by its task JSON."""
+    """(D_train, D_sel): the `n_sel` task ids with the smallest sha256 of (seed, id) form D_sel (D16), every row of an
+    id on the same side, so the two are disjoint by task id; the order of `rows` does not matter. A row without a
+    `task_id` is keyed by its task JSON."""
 
-    def key(row):
-        ident = row.get("task_id")
-        ident = json.dumps(row_task(row), sort_keys=True, default=str) if ident is None else str(ident)
-        return hashlib.sha256(f"{seed}:{ident}".encode()).hexdigest()
+    def ident(row):
+        key = row.get("task_id")
+        return json.dumps(row_task(row), sort_keys=True, default=str) if key is None else str(key)
 
-    if n_sel >= len(rows):
-        raise ValueError(f"gate_tasks ({n_sel}) must be smaller than the training tasks ({len(rows)})")
-    ranked = sorted(rows, key=key)
-    return ranked[n_sel:], ranked[:n_sel]
+    def rank(key):
+        return hashlib.sha256(f"{seed}:{key}".encode()).hexdigest(), key
+
+    ids = sorted({ident(r) for r in rows}, key=rank)
+    if n_sel >= len(ids):
+        raise ValueError(f"gate_tasks ({n_sel}) must be smaller than the distinct training tasks ({len(ids)})")
+    chosen = set(ids[:n_sel])
+    ordered = sorted(rows, key=lambda r: (rank(ident(r)), json.dumps(row_task(r), sort_keys=True, default=str)))
+    return [r for r in ordered if ident(r) not in chosen], [r for r in ordered if ident(r) in chosen]
 
 
 class _StateEnv:

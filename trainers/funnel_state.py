@@ -48,6 +48,10 @@ class State:
     entries: list[Entry] = field(default_factory=list)
     next_id: int = 1  # the number of the next `E<n>`; never decreases, so deleted ids are not reused
 
+    def __post_init__(self):  # a state built by hand never hands out an id its entries already hold
+        taken = [int(e.id[1:]) for e in self.entries if e.id[:1] == "E" and e.id[1:].isdigit()]
+        self.next_id = max([self.next_id, *(n + 1 for n in taken)])
+
     def to_dict(self) -> dict:
         return {"entries": [asdict(e) for e in self.entries], "next_id": self.next_id}
 
