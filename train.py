@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -113,6 +114,17 @@ class RunArguments:
     tiny_num_demos: int | None = field(
         default=None, metadata={"help": "Demonstrations the tiny default is warm-started on (default: 2000)."}
     )
+    audit_filter: str | None = field(
+        default=None,
+        metadata={
+            "help": "Train only on tasks the task audit accepted: the --out folder of `python -m rewards.audit` "
+            "(accepted.jsonl, rejected.jsonl). Training tasks are matched by task_id; a repaired task trains with its "
+            "repaired instruction; rejected and never-audited tasks are dropped (counts in summary.json)."
+        },
+    )
+    audit_keep_unaudited: bool = field(
+        default=False, metadata={"help": "With audit_filter: keep training tasks the audit never saw."}
+    )
 
 
 @dataclass
@@ -124,6 +136,45 @@ class Sources:
     eval_rows: list[dict]
     reward_funcs: list | None
     described: str
+    audit: dict | None = None  # what `audit_filter` kept and dropped
+
+
+def audit_filter(tasks: list[dict], folder: str, keep_unaudited: bool = False) -> tuple[list[tuple[int, dict]], dict]:
+    """The training tasks the task audit accepted (t1.md §4.6): matched by `task_id` with the records of
+    `python -m rewards.audit --out FOLDER`; an accepted record's task replaces the row's (a repair changes only the
+    instruction). Returns ([(index in `tasks`, task to train on)], counts); a folder without audit records, or a
+    filter that keeps nothing, stops the run."""
+    from rewards.audit import read_records
+
+    path = Path(folder)
+    if not (path / "accepted.jsonl").is_file() and not (path / "rejected.jsonl").is_file():
+        raise SystemExit(f"error: audit_filter {folder!r} holds no accepted.jsonl or rejected.jsonl (the --out folder "
+                         "of python -m rewards.audit)")  # fmt: skip
+    accepted = {r["task_id"]: r for r in read_records(path / "accepted.jsonl")}
+    rejected = {r["task_id"] for r in read_records(path / "rejected.jsonl")}
+    kept, counts = [], {"folder": str(folder), "tasks": len(tasks), "kept": 0, "repaired": 0, "dropped_rejected": 0,
+                        "dropped_unaudited": 0, "kept_unaudited": 0}  # fmt: skip
+    for i, task in enumerate(tasks):
+        ident = str(task.get("task_id")) if task.get("task_id") is not None else None
+        if ident in accepted:
+            record = accepted[ident]
+            counts["repaired"] += bool(record.get("repaired"))
+            kept.append((i, dict(record.get("task") or task)))
+        elif ident in rejected:
+            counts["dropped_rejected"] += 1
+        elif keep_unaudited:
+            counts["kept_unaudited"] += 1
+            kept.append((i, task))
+        else:
+            counts["dropped_unaudited"] += 1
+    counts["kept"] = len(kept)
+    if not kept:
+        raise SystemExit(f"error: audit_filter {folder!r} leaves no training task ({counts['dropped_rejected']} "
+                         f"rejected, {counts['dropped_unaudited']} never audited); check that the audit ran on these "
+                         "tasks (task_id must match) or set audit_keep_unaudited")  # fmt: skip
+    print(f"audit filter: {counts['kept']} of {counts['tasks']} training tasks kept ({counts['dropped_rejected']} "
+          f"rejected, {counts['dropped_unaudited']} never audited, {counts['repaired']} repaired)")  # fmt: skip
+    return kept, counts
 
 
 def env_rows(source: EnvironmentSource, tasks: list[dict]) -> Dataset:
@@ -157,6 +208,8 @@ def load_sources(run: RunArguments, config) -> Sources:
             f"error: dataset_name {run.dataset_name!r} without an environment trains single-turn GRPO and needs "
             "reward_funcs (e.g. --reward_funcs exact_match_reward or mypackage.rewards.my_reward)"
         )
+    if source is None and run.audit_filter:
+        raise SystemExit("error: audit_filter filters an environment's tasks; a single-turn dataset has none")
     if source is None and run.trainer != "grpo":
         raise SystemExit(
             f"error: trainer {run.trainer!r} needs an environment; a single-turn dataset trains with grpo"
@@ -175,8 +228,13 @@ def load_sources(run: RunArguments, config) -> Sources:
         n_train = 2000 if run.num_train_tasks is None else run.num_train_tasks
         train_tasks = source.make_tasks("train", n_train, seed=run.task_seed, difficulty=run.difficulty)
         eval_tasks = source.make_tasks("eval", run.num_eval_tasks, seed=run.task_seed, difficulty=run.difficulty)
+        audit = None
+        if run.audit_filter:
+            kept, audit = audit_filter(train_tasks, run.audit_filter, run.audit_keep_unaudited)
+            train_tasks = [task for _, task in kept]
         check_environment(source, train_tasks[0])
-        return Sources(source, env_rows(source, train_tasks), eval_tasks, reward_funcs, f"{source.name} tasks")
+        rows = env_rows(source, train_tasks)
+        return Sources(source, rows, eval_tasks, reward_funcs, f"{source.name} tasks", audit)
     train, test, where = load_splits(
         run.dataset_name,
         run.dataset_config,
@@ -199,10 +257,23 @@ def load_sources(run: RunArguments, config) -> Sources:
             )
         return Sources(None, train, list(test), reward_funcs, described)
     train_tasks = [row_task(row) for row in train]
+    audit = None
+    if run.audit_filter:  # the kept rows, each with its task as the audit left it (repaired or not)
+        kept, audit = audit_filter(train_tasks, run.audit_filter, run.audit_keep_unaudited)
+        rows = []
+        for i, task in kept:
+            row = dict(train[i])
+            if "task" in row:
+                row["task"] = json.dumps(task) if isinstance(row["task"], str) else task
+            else:
+                row.update(task)
+            rows.append(row)
+        train, train_tasks = Dataset.from_list(rows), [task for _, task in kept]
+        described += f"; audit filter kept {audit['kept']} of {audit['tasks']}"
     check_environment(source, train_tasks[0])
     if "prompt" not in train.column_names:  # TRL needs one; the agent loop replaces it with reset's observation
         train = train.add_column("prompt", [source.factory(t).reset(t) for t in train_tasks])
-    return Sources(source, train, [row_task(row) for row in test], reward_funcs, described)
+    return Sources(source, train, [row_task(row) for row in test], reward_funcs, described, audit)
 
 
 #: Most tasks a run generates: making and resetting tasks is not free (about 4,000 a second on tiny:shop), and
@@ -618,6 +689,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left")
     summary = {"run": asdict(run), "model": name, "trainer": run.trainer, "data": sources.described}
+    if sources.audit is not None:
+        summary["audit_filter"] = sources.audit
     summary["adapter"], summary["versions"] = adapter_settings(model_args), versions()
     if not run.skip_eval:
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32)
