@@ -54,8 +54,20 @@ class Env:
     #: methods (docs/methods/alignopsd.md D6); "" when the environment ships none
     skill: str = ""
 
+    #: how the task scheduler compares environments (docs/methods/envsched.md D7): the names of the actions or tools,
+    #: the keys of the environment's state, and the kind of verifier; see `descriptor`
+    action_names: tuple[str, ...] = ()
+    state_keys: tuple[str, ...] = ()
+    verifier: str = ""
+
     def __init__(self, difficulty: int = 0):
         self.difficulty = difficulty
+
+    def descriptor(self, task: dict | None = None) -> dict:
+        """{"tools", "state_keys", "verifier"} of this environment (envsched.md Eq. 10): the tool names of `tools`,
+        else `action_names`; `state_keys`; `verifier`, else the environment's name."""
+        tools = [t.get("function", t).get("name", "") for t in (self.tools or [])] or list(self.action_names)
+        return {"tools": sorted(tools), "state_keys": sorted(self.state_keys), "verifier": self.verifier or self.name}
 
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:

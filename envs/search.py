@@ -243,6 +243,9 @@ class SearchEnv(Env):
     """Multi-hop QA with `search[query]` (BM25 top 3) and `answer[text]` (exact match after normalisation)."""
 
     name = "search"
+    action_names = ("search", "answer")
+    state_keys = ("query", "documents")
+    verifier = "exact_match"
     skill = (
         "Search the entity the question names; the first result states the next fact and ends with the entity to "
         "look up next; search that entity for each further hop; when a result ends with what the question asks, "

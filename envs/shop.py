@@ -168,6 +168,9 @@ class ShopEnv(Env):
     """A seeded WebShop-like shop: search, click an item, choose its options, buy. See the module docstring."""
 
     name = "shop"
+    action_names = ("search", "click", "choose", "buy")
+    state_keys = ("page", "item", "options")
+    verifier = "attribute_match"
     skill = (
         "Search with the words of the instruction that name the item, its size and its price bound; click the "
         "listed item whose title and price fit the instruction; choose the size (and colour) the instruction names; "

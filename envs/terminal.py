@@ -1131,6 +1131,9 @@ class TerminalEnv(Env):
     """A simulated shell over an in-memory file system; one command per turn, `submit` to finish (see module doc)."""
 
     name = "terminal"
+    action_names = ("command", "submit")
+    state_keys = ("files", "dirs")
+    verifier = "assertions"
     skill = (
         "Run the one shell command that does what the task says, copying names and text exactly from the task "
         "(mkdir -p for directories, echo <text> > <file> to write, >> to append, rm, cp, mv); one command per turn; "

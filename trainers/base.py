@@ -60,6 +60,7 @@ from trainers.routing_replay import RoutingReplay
 logger = logging.getLogger(__name__)
 
 REWARDS = ("env", "binary", "assertion_count")
+SCHEDULERS = ("uniform", "envsched")
 MONITOR_STATE = "agent_state.json"  # `AgentGRPOTrainer.monitor_state()` in each checkpoint
 
 
@@ -128,6 +129,33 @@ class AgentGRPOConfig(GRPOConfig):
     unscorable_patience: int = field(
         default=3, metadata={"help": "Generation batches in a row above max_unscorable_frac before the run stops."}
     )
+    scheduler: str = field(
+        default="uniform",
+        metadata={
+            "help": "Which tasks a generation batch trains on: 'uniform' (TRL's shuffled sampler) or 'envsched' "
+            "(trainers/envsched.py, docs/methods/envsched.md: tasks chosen by their reward variance and "
+            "uncertainty, a task-environment graph for tasks with little history, per-environment quotas, a "
+            "similarity penalty and an exploration share). Needs env_factory and max_steps; its state is saved in "
+            "checkpoints."
+        },
+    )
+    sched_half_life: float | None = field(
+        default=None, metadata={"help": "Half-life of the reward history in generation batches; None: max(10, 2N/B)."}
+    )
+    sched_uncertainty_bonus: float = field(default=0.5, metadata={"help": "c_u of envsched.md Eq. 8."})
+    sched_env_share: float | None = field(
+        default=0.25,
+        metadata={"help": "Largest share of a batch one environment may take (ρ_max, Eq. 16); None: no quota."},
+    )
+    sched_similarity_penalty: float = field(default=0.1, metadata={"help": "λ_sim of envsched.md Eq. 18."})
+    sched_explore: float = field(default=0.1, metadata={"help": "Share of a batch drawn uniformly (Eq. 17)."})
+    sched_neighbours: int = field(default=10, metadata={"help": "k of the task graph's kNN (Eq. 11)."})
+    sched_embeddings: bool = field(
+        default=True, metadata={"help": "Hashed n-gram embeddings of the task text in the similarity (Eq. 10, D7)."}
+    )
+    sched_reward_range: list[float] = field(
+        default_factory=lambda: [0.0, 1.0], metadata={"help": "[lo, hi] mapped to [0, 1] for scheduling (Eq. 1)."}
+    )
 
     def __post_init__(self):
         check_sampling_and_batches(self)  # before TRL's own post-init, which divides by some of these
@@ -144,6 +172,23 @@ class AgentGRPOConfig(GRPOConfig):
             raise ValueError(f"max_turns must be >= 1 or None, got {self.max_turns}")
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.scheduler == "envsched":
+            if self.max_steps is None or self.max_steps < 1:  # envsched.md D18: no epochs
+                raise ValueError("scheduler 'envsched' has no epochs: set max_steps (envsched.md D18)")
+            lo, hi = (list(self.sched_reward_range) + [None, None])[:2]
+            if len(self.sched_reward_range) != 2 or not hi > lo:
+                raise ValueError(f"sched_reward_range must be [lo, hi] with hi > lo, got {self.sched_reward_range}")
+            if self.sched_env_share is not None and not 0 < self.sched_env_share <= 1:
+                raise ValueError(f"sched_env_share must be in (0, 1] or None, got {self.sched_env_share}")
+            if not 0 <= self.sched_explore <= 1 or self.sched_neighbours < 1 or self.sched_uncertainty_bonus < 0:
+                raise ValueError(
+                    "sched_explore must be in [0, 1], sched_neighbours >= 1, sched_uncertainty_bonus >= 0"
+                )
+            if self.sched_half_life is not None and self.sched_half_life <= 0:
+                raise ValueError(f"sched_half_life must be > 0 or None, got {self.sched_half_life}")
+            self.ignore_data_skip = True  # a resumed run serves the scheduler's pending draws, never replays (D17)
         if self.routing_replay and self.router_aux_loss_coef != 0.0:
             # derived: routing-replay.md D10, the load-balancing loss is off under replay (None = the model's own)
             was = "None (the model's own)" if self.router_aux_loss_coef is None else self.router_aux_loss_coef
@@ -298,6 +343,9 @@ class AgentGRPOTrainer(GRPOTrainer):
             reward_funcs = reward_funcs if reward_funcs is not None else [reward_function(args)]
         self.env_factory = env_factory
         self._rows: list[dict] = []
+        self.task_scheduler = None
+        if args.scheduler == "envsched":  # envsched.md: built before TRL's init, which builds no sampler yet
+            train_dataset = self._attach_scheduler(args, train_dataset)
         self.routing_replay = RoutingReplay(self)  # MoE routing replay state (routing-replay.md D7-D9), set up below
         super().__init__(
             model=model,
@@ -325,6 +373,56 @@ class AgentGRPOTrainer(GRPOTrainer):
         self._unscorable_streak: list[float] = []  # unscorable fractions of the last batches above the guard's bound
         if self.routing_replay.setup(self.accelerator.unwrap_model(self.model)):  # refuses unsupported setups
             self.aux_loss_enabled = False  # router_aux_loss_coef is 0.0 (AgentGRPOConfig.__post_init__, D10)
+
+    def _attach_scheduler(self, args, train_dataset):
+        """EnvSched over the training tasks (docs/methods/envsched.md): every task's environment (its task's `env`
+        field, else the environment's name) and descriptor, its text, and a `sched_index` column that maps rows back to
+        the pool."""
+        from envs.base import row_task
+        from trainers.envsched import EnvScheduler, SchedSettings, task_text
+
+        if self.env_factory is None or train_dataset is None or not hasattr(train_dataset, "add_column"):
+            raise ValueError("scheduler 'envsched' needs env_factory and a map-style train_dataset of tasks")
+        rows = list(train_dataset)
+        tasks = [row_task(row) for row in rows]
+        names, descriptors = [], {}
+        for row, task in zip(rows, tasks, strict=True):
+            env = self.env_factory(row)
+            name = str(task.get("env") or getattr(env, "name", "env"))
+            if name not in descriptors:
+                descriptors[name] = env.descriptor(task)
+            names.append(name)
+        lo, hi = args.sched_reward_range
+        settings = SchedSettings(
+            reward_lo=lo, reward_hi=hi, half_life=args.sched_half_life, c_u=args.sched_uncertainty_bonus,
+            k_nn=args.sched_neighbours, rho_max=args.sched_env_share, lambda_sim=args.sched_similarity_penalty,
+            explore=args.sched_explore, embeddings=args.sched_embeddings,
+        )  # fmt: skip
+        B = args.generation_batch_size // args.num_generations
+        ids = [row.get("task_id", i) for i, row in enumerate(rows)]
+        texts = [task_text(t) for t in tasks]
+        self.task_scheduler = EnvScheduler(names, descriptors, texts, B, settings, seed=args.seed, task_ids=ids)
+        return train_dataset.add_column("sched_index", list(range(len(rows))))
+
+    def _get_train_sampler(self, dataset=None):
+        if self.task_scheduler is None:
+            return super()._get_train_sampler(dataset)
+        from trainers.envsched import SchedulerSampler
+
+        repeat = self.num_iterations * self.args.steps_per_generation
+        micro_steps = self.args.max_steps * self.args.gradient_accumulation_steps
+        blocks = -(-micro_steps // repeat) + 2  # the dataloader fetches one batch ahead
+        return SchedulerSampler(self.task_scheduler, self.num_generations, repeat, blocks)
+
+    def _update_scheduler(self, inputs: list[dict], batch: RolloutBatch) -> None:
+        """envsched.md Eq. 3 with the whole generation batch (gathered, so every process holds the same state, D16);
+        unscorable rollouts and environment errors are invalid (D14)."""
+        index = gather_object([int(row["sched_index"]) for row in inputs])
+        valid = gather_object([int(row.get("env_errors", 0)) == 0 for row in inputs])
+        rewards = gather(batch.rewards.float()).tolist()
+        valid = [v and r == r for v, r in zip(valid, rewards, strict=True)]  # NaN: no reward function answered
+        for name, value in self.task_scheduler.update(index, rewards, valid).items():
+            self.log_metric(f"sched/{name}", value)
 
     @property
     def replay_routing(self) -> bool:
@@ -423,6 +521,8 @@ class AgentGRPOTrainer(GRPOTrainer):
             self.routing_replay.add_routes(out)  # out["routing"] (B, S, L, k), batch-first (routing-replay.md D4)
         self.routing_replay.log_batch_metrics(out)  # routing-replay.md Eq. 8, Eq. 10
         batch = self._rollout_batch(inputs, out)
+        if self.task_scheduler is not None and self.model.training:
+            self._update_scheduler(inputs, batch)
         advantages = self.compute_advantages(batch)
         if advantages.shape != batch.completion_ids.shape:
             raise RuntimeError(
@@ -444,12 +544,17 @@ class AgentGRPOTrainer(GRPOTrainer):
     def monitor_state(self) -> dict:
         """What the run's monitors remember between generation batches (JSON-ready); subclasses add theirs."""
         alarm = self.collapse_alarm.state_dict() if self.collapse_alarm is not None else None
-        return {"collapse_alarm": alarm, "unscorable_streak": list(self._unscorable_streak)}
+        state = {"collapse_alarm": alarm, "unscorable_streak": list(self._unscorable_streak)}
+        if self.task_scheduler is not None:
+            state["scheduler"] = self.task_scheduler.state_dict()
+        return state
 
     def load_monitor_state(self, state: dict) -> None:
         if self.collapse_alarm is not None and state.get("collapse_alarm"):
             self.collapse_alarm.load_state_dict(state["collapse_alarm"])
         self._unscorable_streak = list(state.get("unscorable_streak", []))
+        if self.task_scheduler is not None and state.get("scheduler"):
+            self.task_scheduler.load_state_dict(state["scheduler"])
 
     def _save_checkpoint(self, model, trial):
         """Write agent_state.json first: the trainer writes trainer_state.json last, and a checkpoint without it is
