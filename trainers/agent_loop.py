@@ -533,12 +533,18 @@ def evaluate(
     model.train(was_training)
     successes = torch.tensor([r.success for r in rollouts], dtype=torch.float64).view(len(tasks), samples)
     rewards = torch.tensor([r.env_reward for r in rollouts], dtype=torch.float64)
-    return {
+    out = {
         "success": successes.mean().item(),
         "reward": rewards.mean().item(),
         f"pass^{samples}": successes.min(dim=1).values.mean().item(),
         "turns": sum(len(r.turn_rewards) for r in rollouts) / len(rollouts),
     }
+    envs = [str(t.get("env")) for t in tasks] if all(isinstance(t, dict) and t.get("env") for t in tasks) else []
+    if len(set(envs)) > 1:  # a mixed pool: success per environment too
+        out["by_env"] = {
+            name: successes[[i for i, e in enumerate(envs) if e == name]].mean().item() for name in sorted(set(envs))
+        }
+    return out
 
 
 def prompt_ids_like_trl(tokenizer, prompts: list) -> list[list[int]]:
