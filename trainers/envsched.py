@@ -16,6 +16,7 @@ lines), then `EnvScheduler` (state, draws, updates, checkpoints) and `SchedulerS
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -123,7 +124,9 @@ def knn_graph(env_sim: np.ndarray, env_ids: np.ndarray, emb: np.ndarray | None, 
     with np.errstate(over="ignore"):
         for lo in range(0, N, block):
             rows = np.arange(lo, min(N, lo + block))
-            w = pair_similarity(env_sim, env_ids, emb, a_emb, rows[:, None], cols[None, :])  # (b, N)
+            w = env_sim[env_ids[rows][:, None], env_ids[None, :]]  # (b, N) environment part of Eq. 10
+            if emb is not None and a_emb > 0:
+                w = w + a_emb * np.maximum(0.0, emb[rows] @ emb.T)  # a block x N product, never (b, N, d)
             for r, row in enumerate(rows):
                 ties = _tie_hash(seed, int(row), cols)
                 key = np.lexsort((ties, -w[r]))  # by similarity, then the seeded hash
@@ -245,7 +248,6 @@ class SchedSettings:
     n_max: float = 4.0
     kappa: float = 2.0
     c_u: float = 0.5
-    zeta: float = 0.0
     k_nn: int = 10
     alphas: tuple[float, float, float, float] = (0.3, 0.2, 0.2, 0.3)
     rho_max: float | None = 0.25  # None: no quota
@@ -299,6 +301,7 @@ class EnvScheduler:
         self.rng = np.random.default_rng(seed)
         self.pending: list[list[int]] = []  # drawn, not yet updated (D17)
         self.pending_info: list[dict] = []  # each pending draw's statistics
+        self._replay: list[list[int]] = []  # pending draws restored from a checkpoint, not yet served again
         self.invalid = 0
         self.identity = self._identity(task_ids if task_ids is not None else range(N), env_names)
         self.last: dict = {}
@@ -338,7 +341,7 @@ class EnvScheduler:
         sc = self.scores()
         one_env = len(self.envs) == 1  # D20: a quota means nothing with one environment
         quota = math.ceil(s.rho_max * self.B) if s.rho_max is not None and not one_env else None  # Eq. 16
-        n_explore = math.floor(s.explore * self.B + 0.5)  # Eq. 17: halves round up
+        n_explore = math.floor(s.explore * self.B + 0.5 + 1e-9)  # Eq. 17: halves round up (0.35 x 90 is 31.4999...)
         sel = select_batch(sc["score"], self.env_ids, self.B, self.rng, quota=quota, n_explore=n_explore,
                            lambda_sim=s.lambda_sim, similarity=self.similarity,
                            candidates=min(len(self.env_ids), max(8 * self.B, 256)))  # fmt: skip
@@ -413,8 +416,8 @@ class EnvScheduler:
         return {
             "identity": self.identity, "t": self.t, "W": self.W.tolist(), "S1": self.S1.tolist(),
             "S2": self.S2.tolist(), "t_last": self.t_last.tolist(), "n_sel": self.n_sel.tolist(),
-            "t_sel": self.t_sel.tolist(), "pending": self.pending, "invalid": self.invalid,
-            "rng": self.rng.bit_generator.state, "pending_info": self.pending_info,
+            "t_sel": self.t_sel.tolist(), "pending": copy.deepcopy(self.pending), "invalid": self.invalid,
+            "rng": copy.deepcopy(self.rng.bit_generator.state), "pending_info": copy.deepcopy(self.pending_info),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict, check_identity: bool = True) -> None:
@@ -430,6 +433,12 @@ class EnvScheduler:
         self.invalid = int(state["invalid"])
         self.rng.bit_generator.state = state["rng"]
         self.pending_info = [dict(x) for x in state.get("pending_info", [])]
+        self._replay = [list(p) for p in self.pending]  # served first by the next sampler pass, once (D17)
+
+    def take_replay(self) -> list[list[int]]:
+        """The draws a resumed run must serve before drawing anew (those pending at the save); empty afterwards."""
+        replay, self._replay = self._replay, []
+        return replay
 
 
 class SchedulerSampler(Sampler):
@@ -440,13 +449,12 @@ class SchedulerSampler(Sampler):
 
     def __init__(self, scheduler: EnvScheduler, num_generations: int, repeat: int, blocks: int):
         self.scheduler, self.G, self.repeat, self.blocks = scheduler, num_generations, repeat, blocks
-        self._served = 0  # pending draws already handed out by this iterator
 
     def __len__(self) -> int:
         return self.blocks * self.scheduler.B * self.G * self.repeat
 
     def __iter__(self):
-        replay = list(self.scheduler.pending)  # a resumed run serves what was drawn before the save
+        replay = self.scheduler.take_replay()  # a resumed run serves what was drawn before the save
         for b in range(self.blocks):
             tasks = replay[b] if b < len(replay) else self.scheduler.draw()
             for _ in range(self.repeat):
