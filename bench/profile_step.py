@@ -1,0 +1,216 @@
+"""Where a training step's time goes: generation, environment steps, rewards, advantages, the loss's forward and
+backward, the optimizer, and everything else (framework overhead), per method, on the same setup.
+
+    python bench/profile_step.py --steps 10 --model tiny:shop --methods grpo ppo mpo
+
+Each method trains `--steps` optimizer steps (after one untimed warm-up step) with the shop recipe's batch layout
+(64 rollouts per step: 8 tasks x G 8, 24 tokens per turn, 256 per episode) and the policy frozen (learning rate 0, so
+every method plays the same kind of episodes and the shares are the method's own). The trainer's own functions are
+wrapped by timers that keep exclusive time (a region's time minus the regions timed inside it):
+
+- generation: the model's `generate` calls in the agent loop (prefill and decode);
+- environment: `step_all` (every environment's `step` of a turn);
+- agent loop, other: the rest of an episode batch (tokenising observations, bookkeeping, padding);
+- no-grad forwards: TRL's log-prob forwards outside the loss (old or reference log-probs, a critic's values, teacher
+  passes);
+- rewards: `_calculate_rewards`; advantages: `compute_advantages` (the method's own math);
+- loss forward: `policy_loss` (the actor's, and a critic's, forward and loss); backward: `accelerator.backward`;
+- optimizer: `optimizer.step` (clipping excluded);
+- other: `train_runtime` minus all of the above: TRL's batching and splitting, logging, gradient clipping, scheduler,
+  the transformers training loop.
+
+Model compute is generation + no-grad forwards + loss forward + backward + optimizer; the goal is "other" plus
+"agent loop, other" plus rewards at most 5% of a step. Writes bench/results/profile_step/result.json and result.md
+(or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+
+from bench.record import RESULTS, write_result  # noqa: E402
+from envs.sources import load_environment  # noqa: E402
+from envs.tiny import is_tiny, tiny_model  # noqa: E402
+from train import env_rows  # noqa: E402
+from trainers import TRAINERS, agent_loop  # noqa: E402
+
+PARTS = ["generation", "environment", "agent loop, other", "no-grad forwards", "rewards", "advantages",
+         "loss forward", "backward", "optimizer"]  # fmt: skip
+MODEL_COMPUTE = ("generation", "no-grad forwards", "loss forward", "backward", "optimizer")
+
+
+class Profiler:
+    """Exclusive wall time per named region; regions nest (a parent's time excludes its children's)."""
+
+    def __init__(self):
+        self.total: dict[str, float] = defaultdict(float)
+        self.stack: list[list] = []  # [name, start, time spent in children]
+        self.enabled = True
+
+    @contextmanager
+    def region(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        self.stack.append([name, time.perf_counter(), 0.0])
+        try:
+            yield
+        finally:
+            name, start, children = self.stack.pop()
+            spent = time.perf_counter() - start
+            self.total[name] += spent - children
+            if self.stack:
+                self.stack[-1][2] += spent
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            with self.region(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+def instrument(trainer, prof: Profiler) -> None:
+    """Wrap the trainer's pieces (instance attributes, so nothing leaks to other trainers) and the agent loop's."""
+    inside_loss = {"on": False}
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def logps(*args, **kwargs):
+        if inside_loss["on"]:
+            return forward(*args, **kwargs)
+        with prof.region("no-grad forwards"):
+            return forward(*args, **kwargs)
+
+    policy_loss = trainer.policy_loss
+
+    def loss(*args, **kwargs):
+        inside_loss["on"] = True
+        try:
+            with prof.region("loss forward"):
+                return policy_loss(*args, **kwargs)
+        finally:
+            inside_loss["on"] = False
+
+    trainer._get_per_token_logps_and_entropies = logps
+    trainer.policy_loss = loss
+    trainer._calculate_rewards = prof.wrap("rewards", trainer._calculate_rewards)
+    trainer.compute_advantages = prof.wrap("advantages", trainer.compute_advantages)
+    trainer.accelerator.backward = prof.wrap("backward", trainer.accelerator.backward)
+
+    class OptimizerTimer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            trainer.optimizer.step = prof.wrap("optimizer", trainer.optimizer.step)
+
+    trainer.add_callback(OptimizerTimer())
+
+
+@contextmanager
+def agent_loop_timers(prof: Profiler):
+    """The agent loop's module functions, timed while the block runs."""
+    saved = agent_loop.play, agent_loop.step_all, agent_loop.hf_generate
+
+    def hf_generate(*args, **kwargs):
+        return prof.wrap("generation", saved[2](*args, **kwargs))
+
+    agent_loop.play = prof.wrap("agent loop, other", saved[0])
+    agent_loop.step_all = prof.wrap("environment", saved[1])
+    agent_loop.hf_generate = hf_generate
+    try:
+        yield
+    finally:
+        agent_loop.play, agent_loop.step_all, agent_loop.hf_generate = saved
+
+
+def profile(method: str, folder: str, opts: argparse.Namespace, workdir: str) -> dict:
+    trainer_cls, config_cls = TRAINERS[method]
+    source = load_environment(opts.env, {}, 0)
+    config = config_cls(
+        output_dir=os.path.join(workdir, method), per_device_train_batch_size=opts.batch_size,
+        num_generations=opts.num_generations, max_completion_length=opts.max_completion_length,
+        max_turn_tokens=opts.max_turn_tokens, max_steps=opts.steps + 1, learning_rate=0.0,
+        lr_scheduler_type="constant", loss_type="grpo", report_to="none", seed=0, bf16=False,
+        use_cpu=not torch.cuda.is_available(), activation_checkpointing=False, save_strategy="no",
+        logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = trainer_cls(
+        model=folder, args=config, processing_class=AutoTokenizer.from_pretrained(folder, padding_side="left"),
+        train_dataset=env_rows(source, source.make_tasks("train", 256, seed=0, difficulty=0)),
+        env_factory=source.factory,
+    )  # fmt: skip
+    prof = Profiler()
+    instrument(trainer, prof)
+
+    class Window(TrainerCallback):  # the first step is a warm-up: time from the end of step 1 on
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                prof.total.clear()
+                self.start = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.end = time.perf_counter()
+
+    window = Window()
+    trainer.add_callback(window)
+    torch.manual_seed(0)
+    with agent_loop_timers(prof):
+        trainer.train()
+    total = (window.end - window.start) / opts.steps
+    parts = {name: prof.total.get(name, 0.0) / opts.steps for name in PARTS}
+    parts["other"] = max(0.0, total - sum(parts.values()))
+    return {"seconds_per_step": total, "parts": parts}
+
+
+def report(results: dict, opts: argparse.Namespace) -> str:
+    names = [*PARTS, "other"]
+    lines = [
+        f"{opts.steps} steps after a warm-up on {opts.env}, model {opts.model}, {opts.batch_size} rollouts per step "
+        f"(G {opts.num_generations}), frozen policy, {torch.get_num_threads()} torch thread(s); share of a step\n",
+        "| method | s/step | " + " | ".join(names) + " | model compute | outside model and environment |",
+        "| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: |",
+    ]
+    for method, r in results.items():
+        s, p = r["seconds_per_step"], r["parts"]
+        compute = sum(p[n] for n in MODEL_COMPUTE)
+        outside = s - compute - p["environment"]
+        row = f"| {method} | {s:.3f} | " + " | ".join(f"{100 * p[n] / s:.1f}%" for n in names)
+        lines.append(row + f" | {100 * compute / s:.1f}% | {100 * outside / s:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--env", default="shop")
+    parser.add_argument("--model", default="tiny:shop", help="tiny:<env> or a model folder")
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--max_completion_length", type=int, default=256)
+    parser.add_argument("--max_turn_tokens", type=int, default=24)
+    parser.add_argument("--methods", nargs="+", default=["grpo", "ppo", "mpo"], choices=sorted(TRAINERS))
+    parser.add_argument("--out", type=Path, default=RESULTS / "profile_step")
+    opts = parser.parse_args(argv)
+    folder = tiny_model(opts.model) if is_tiny(opts.model) else opts.model
+    with tempfile.TemporaryDirectory() as workdir:
+        results = {m: profile(m, folder, opts, workdir) for m in opts.methods}
+    text = report(results, opts)
+    print("\n" + text)
+    write_result(opts.out, "profile_step", vars(opts) | {"out": str(opts.out)}, results, text)
+    return results
+
+
+if __name__ == "__main__":
+    main()
