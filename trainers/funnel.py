@@ -65,6 +65,13 @@ class FunnelConfig(AgentGRPOConfig):
     gate_z: float = field(default=1.0, metadata={"help": "z of the gates (Eq. 10-11, D5)."})
     benefit_margin: float = field(default=0.0, metadata={"help": "δ_b of Eq. 2 (strict >)."})
     alpha: float = field(default=0.5, metadata={"help": "Weight of persistently useful tasks (Eq. 3, D1)."})
+    consolidation_pool: str = field(
+        default="train",
+        metadata={
+            "help": "Tasks a consolidation trains on: 'train' (every training task; those outside the selection pool "
+            "get GRPO only, D14) or 'selection' (the selection pool alone)."
+        },
+    )
     residual_mode: str = field(
         default="leave_one_out",
         metadata={"help": f"Residual pruning after an accepted consolidation: one of {RESIDUAL_MODES} (D7)."},
@@ -112,6 +119,7 @@ class FunnelConfig(AgentGRPOConfig):
             ("residual_mode", self.residual_mode, RESIDUAL_MODES),
             ("editor", self.editor, EDITORS),
             ("state_position", self.state_position, POSITIONS),
+            ("consolidation_pool", self.consolidation_pool, ("train", "selection")),
         ]:
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

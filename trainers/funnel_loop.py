@@ -307,7 +307,11 @@ class FunnelLoop:
                                     prev_is_empty=not prev.entries)  # fmt: skip  # Eq. 1-3
         counts = _transition_counts(weights, c.alpha)
         before = snapshot(self.model)  # D15
-        trainer = self._trainer(pool, ids, weights, state, k)
+        if c.consolidation_pool == "train":  # D14: every training task, c = 0 outside the selection pool
+            tasks = [row_task(r) for r in self.train_rows]
+            trainer = self._trainer(tasks, [task_key(t) for t in tasks], weights, state, k)
+        else:
+            trainer = self._trainer(pool, ids, weights, state, k)
         spent = sum(self.progress["rollouts"].values())  # every rollout so far: evidence, gates, selection, training
         trainer.train()
         per_step = c.generation_batch_size / max(
