@@ -276,7 +276,29 @@ def table(rows: list[Row], threshold: float, at_rollouts: float, metrics: list[s
         "- step time: train_runtime / rollouts trained on (held-out evaluation and model build excluded), mean over "
         "seeds. collapse: seeds whose held-out sampled success after RL is below their own before RL."
     )
-    return "\n".join([*lines, "", *notes])
+    return "\n".join([*lines, "", *notes, *per_environment(rows)])
+
+
+def per_environment(rows: list[Row]) -> list[str]:
+    """For runs on a mixed pool (held-out `by_env` recorded): sampled success per environment before and after RL,
+    mean [min, max] over seeds; nothing otherwise."""
+    mixed = [row for row in rows if all("by_env" in r.summary.get("after", {}).get("sampled", {}) for r in row.runs)]
+    if not mixed:
+        return []
+    envs = sorted({e for row in mixed for r in row.runs for e in r.summary["after"]["sampled"]["by_env"]})
+    head = ["config", *(f"{e} {when}" for e in envs for when in ("before", "after"))]
+    lines = [
+        "",
+        "Held-out sampled success per environment:",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for row in mixed:
+        values = [spread([r.summary[when]["sampled"]["by_env"].get(e) for r in row.runs if when in r.summary])
+                  for e in envs for when in ("before", "after")]  # fmt: skip
+        lines.append("| " + " | ".join([label(row), *values]) + " |")
+    return lines
 
 
 def measured(rows: list[Row], threshold: float, at_rollouts: float) -> dict:

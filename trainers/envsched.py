@@ -362,6 +362,7 @@ class EnvScheduler:
             "quota_binding_envs": int(
                 (np.bincount(self.env_ids[tasks], minlength=len(self.envs)) >= (quota or 10**9)).sum()
             ),  # fmt: skip
+            **{f"share/{name}": float(shares[e]) for e, name in enumerate(self.envs)},
             "reselect_gap_mean": float(np.mean([self.t - g for g in self.t_sel[tasks] if g >= 0]))
             if (self.t_sel[tasks] >= 0).any()
             else 0.0,
