@@ -27,6 +27,7 @@ PINNED = {
         "compute_entropy",
         "compute_aux_loss",
     ],
+    "_get_train_sampler": ["self", "dataset"],  # replaced by EnvSched's sampler under `scheduler: envsched`
 }
 
 

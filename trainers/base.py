@@ -14,9 +14,12 @@ What it adds to `trl.GRPOTrainer` (TRL 1.16.0), of which it is a drop-in (TRL's 
    Subclasses build theirs from `forward_logps` (the one copy of TRL's forward setup) and pure functions of
    `trainers/losses.py`.
 4. `routing_replay: true` (MoE policies, R3): `RoutingReplay` in `trainers/routing_replay.py`, called at named points.
+5. `scheduler: envsched`: the task scheduler of `trainers/envsched.py` chooses each generation batch's tasks (through
+   TRL's sampler seam) and is updated with the batch's gathered rewards; its state travels in `agent_state.json`.
 
 Private TRL methods overridden here, pinned by `tests/test_trl_parity.py`: `_generate_and_score_completions`,
-`_calculate_rewards`, `_compute_loss`, `_get_per_token_logps_and_entropies` (plus the public `training_step`), and
+`_calculate_rewards`, `_compute_loss`, `_get_per_token_logps_and_entropies`, `_get_train_sampler` (EnvSched's sampler
+under `scheduler: envsched`, trainers/envsched.py; plus the public `training_step`), and
 transformers' `_save_checkpoint` / `_load_from_checkpoint`, which also write and read `monitor_state()`
 (`agent_state.json`: the collapse alarm's and the no-signal guard's memory, and what subclasses add), so a resumed run
 warns and stops where the uninterrupted one would.
@@ -30,6 +33,7 @@ Logged metrics (besides TRL's), every generation batch, over all processes:
   (`max_unscorable_frac`) stops a run in which it stays high.
 - `env/tokens_per_turn`: the batch's model tokens over its assistant turns (1-2: turns end at once; near
   `max_turn_tokens`: the end-of-turn id is no longer emitted).
+- `sched/*` with `scheduler: envsched` (trainers/envsched.py).
 - `alarm/<kind>`: 1 on the batch where the collapse alarm of that kind fires (`collapse_alarm`, `trainers/alarm.py`:
   `short_turns`, `capped_turns`, `truncated`, `success`, `no_variance`), with a warning naming the numbers.
 - MoE policies: the `routing/*` metrics listed in `trainers/routing_replay.py`.
