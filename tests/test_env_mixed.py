@@ -39,14 +39,25 @@ def test_a_task_without_an_environment_is_refused():
         MixedEnv().reset({"instruction": "x"})
 
 
-def test_held_out_success_is_reported_per_environment(tiny_model_folder):
+def test_held_out_success_is_reported_per_environment(tiny_model_folder, monkeypatch):
+    """`evaluate` on mixed tasks adds each environment's success; the episodes' outcomes are scripted here (shop tasks
+    all succeed, search tasks half, terminal tasks none), so the expected means are known by hand."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainers.agent_loop import LoopSettings, evaluate
+    from trainers import agent_loop
+    from trainers.agent_loop import LoopSettings, Rollout, evaluate
 
+    tasks = MixedEnv.make_tasks("eval", 12, seed=0)  # 4 per environment
+    wins = {"shop": [True] * 4, "search": [True, False, True, False], "terminal": [False] * 4}
+    outcome = {t["task_id"]: wins[t["env"]][[u["task_id"] for u in tasks if u["env"] == t["env"]].index(t["task_id"])]
+               for t in tasks}  # fmt: skip
+
+    def scripted(generate, tokenizer, envs, chunk, prompts=None, settings=None, **kw):
+        return [Rollout(prompt_ids=[0], success=outcome[t["task_id"]], turn_rewards=[1.0]) for t in chunk]
+
+    monkeypatch.setattr(agent_loop, "play", scripted)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
     tok = AutoTokenizer.from_pretrained(tiny_model_folder, padding_side="left")
-    tasks = MixedEnv.make_tasks("eval", 6, seed=0)
     out = evaluate(model, tok, MixedEnv, tasks, LoopSettings(4, 40, 2), progress=False)
-    assert set(out["by_env"]) == {"shop", "search", "terminal"}
-    assert out["success"] == pytest.approx(sum(out["by_env"].values()) / 3)  # two tasks per environment
+    assert out["by_env"] == {"search": 0.5, "shop": 1.0, "terminal": 0.0}
+    assert out["success"] == pytest.approx(6 / 12)

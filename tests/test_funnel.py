@@ -782,10 +782,11 @@ def test_llm_editor_parses_a_valid_reply_after_a_repair(editor_key):
             editor.judge.close()
         assert len(server.requests) == 2
         user = server.requests[0].body["messages"][-1]["content"]
-    assert [op.model_dump(exclude_none=True) for op in proposal.ops] == [
-        {"op": "add", "text": "search then click", "kind": "skill", "scope": "shoes", "rationale": "won"},
-        {"op": "delete", "id": "E1"},
-    ]
+    assert [op.model_dump(exclude_none=True) for op in proposal.ops] == [  # the origin is the library's to set
+        {"op": "add", "text": "search then click", "kind": "skill", "scope": "shoes", "rationale": "won",
+         "origin": "llm"},
+        {"op": "delete", "id": "E1", "origin": "llm"},
+    ]  # fmt: skip
     assert "[E1] (*) search first" in user and "[E2] (shoes) buy last" in user
     out, applied, _ = apply_edit_ops(base_state(), proposal.ops, 2, **LIMITS)
     assert out.ids() == ["E2", "E3"] and out.entries[1].origin == "llm" and len(applied) == 2
@@ -978,3 +979,14 @@ def test_funnel_config_max_steps_unset_is_rejected(tmp_path):
                 report_to="none")  # fmt: skip
     with pytest.raises(ValueError, match="max_steps"):
         FunnelConfig(**base)
+
+
+def test_the_editor_model_cannot_claim_another_origin(editor_key):
+    reply = json.dumps({"ops": [{"op": "add", "text": "buy last", "origin": "card"}]})
+    with JudgeServer(default=lambda body: ok(reply)) as server:
+        editor = make_editor(server)
+        try:
+            proposal = editor.propose(base_state(), EVIDENCE, [])
+        finally:
+            editor.judge.close()
+    assert [op.origin for op in proposal.ops] == ["llm"]

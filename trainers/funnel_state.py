@@ -317,4 +317,4 @@ class LLMEditor:
         if answer is None:
             logger.warning("the editor gave no usable answer; this round proposes no edit")
             return EditProposal()
-        return answer
+        return EditProposal(ops=[op.model_copy(update={"origin": "llm"}) for op in answer.ops])  # not the model's say
