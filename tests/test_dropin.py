@@ -5,7 +5,7 @@
 import copy
 import inspect
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import pytest
@@ -53,7 +53,8 @@ def test_plain_grpo_config_is_converted(tiny_model_folder, tmp_path):
         assert getattr(trainer.args, f.name) == getattr(plain, f.name), f.name
     for f in fields(AgentGRPOConfig):  # the agent fields a plain config lacks take their defaults
         if f.name not in GRPOConfig.__dataclass_fields__:
-            assert getattr(trainer.args, f.name) == f.default, f.name
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+            assert getattr(trainer.args, f.name) == default, f.name
 
 
 def test_as_config_follows_the_subclass_config_class(tiny_model_folder, tmp_path):

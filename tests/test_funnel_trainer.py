@@ -334,9 +334,10 @@ def test_kill_9_then_resume_ends_where_the_uninterrupted_loop_ends(tiny_model_fo
     assert (killed / "weights-2" / "weights.pt").is_file() and not (killed / "weights-1").exists()
 
 
-SMALL = ["--tiny_privileged_frac", "0", "--rounds", "2", "--collect_tasks", "4", "--selection_tasks", "4",
-         "--gate_tasks", "4", "--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
-         "--num_train_tasks", "40", "--num_eval_tasks", "6", "--logging_steps", "1"]  # fmt: skip
+SMALL = ["--tiny_privileged_frac", "0", "--tiny_sft_steps", "1", "--tiny_num_demos", "32", "--rounds", "2",
+         "--collect_tasks", "4", "--selection_tasks", "4", "--gate_tasks", "4", "--max_steps", "2",
+         "--per_device_train_batch_size", "8", "--num_generations", "4", "--num_train_tasks", "40",
+         "--num_eval_tasks", "6", "--logging_steps", "1"]  # fmt: skip
 
 
 def test_train_py_runs_the_loop_and_reports_it(tmp_path):
