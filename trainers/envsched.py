@@ -74,8 +74,8 @@ def jaccard(a: set, b: set) -> float:
 def environment_similarity(descriptors: Sequence[dict], alphas: tuple[float, float, float, float],
                            with_embeddings: bool) -> np.ndarray:  # fmt: skip
     """(E, E) environment part of Eq. 10: α_tool·J(tools) + α_state·J(state keys) + α_ver·1[same verifier], the α's
-    rescaled to sum to 1 when there are no embeddings (α_emb = 0). Also returns nothing else: the embedding part is
-    added per task pair (`pair_similarity`)."""
+    rescaled to sum to 1 when there are no embeddings (α_emb = 0). The embedding part is added per task pair
+    (`pair_similarity`, and `knn_graph` block by block)."""
     a_tool, a_state, a_ver, a_emb = alphas
     if not with_embeddings:
         total = a_tool + a_state + a_ver

@@ -28,7 +28,6 @@ import pydantic
 logger = logging.getLogger(__name__)
 
 KINDS = ("skill", "guidance")
-ORIGINS = ("llm", "card", "manual")
 STATE_HEADER = "Notes from experience:"
 
 
