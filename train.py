@@ -562,7 +562,8 @@ def parse(argv: list[str] | None = None):
     wants_help = any(a in ("-h", "--help") for a in argv)
     probe_argv = [a for a in argv if a not in ("-h", "--help")]  # --help lists the chosen trainer's fields too
     try:
-        probe, _ = TrlParser((RunArguments,)).parse_args_and_config(probe_argv, return_remaining_strings=True)
+        probe_parser = TrlParser((RunArguments,), allow_abbrev=False)  # `--reward` is not `--reward_funcs`
+        probe, _ = probe_parser.parse_args_and_config(probe_argv, return_remaining_strings=True)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
     if probe.trainer not in TRAINERS:

@@ -3,7 +3,9 @@
 An environment is an object with
 
 * `reset(task) -> observation`: start an episode on `task` (a JSON-serialisable dict); the observation is the text of
-  the first user message (instruction plus whatever the agent sees first);
+  the first user message (instruction plus whatever the agent sees first), or a list of chat messages when the
+  episode starts from a conversation so far (X-Tree's node instances, `trainers/xtree_trainer.py`): the agent loop
+  then uses that list as the prompt;
 * `step(action_text) -> (observation, reward, done, info)`: apply the agent's whole turn (the decoded assistant text);
   `reward` is this turn's reward (the outcome reward arrives on the final turn), `info["success"]` is set when `done`;
 * `state_key() -> str` (optional): a description of the current state, equal for states where an action means the

@@ -12,6 +12,7 @@ from trainers.gigpo import GiGPOConfig, GiGPOTrainer
 from trainers.mpo import MPOConfig, MPOTrainer
 from trainers.ppo import AgentPPOTrainer, PPOConfig
 from trainers.taspo import TASPOConfig, TASPOTrainer
+from trainers.xtree_trainer import XTreeConfig, XTreeTrainer
 
 TRAINERS: dict[str, tuple[type, type]] = {
     "grpo": (AgentGRPOTrainer, AgentGRPOConfig),
@@ -21,6 +22,7 @@ TRAINERS: dict[str, tuple[type, type]] = {
     "alignopsd": (AlignOPSDTrainer, AlignOPSDConfig),
     "beta_opsd": (BetaOPSDTrainer, BetaOPSDConfig),
     "funnel": (FunnelTrainer, FunnelConfig),
+    "xtree": (XTreeTrainer, XTreeConfig),
     "ppo": (AgentPPOTrainer, PPOConfig),
     "mpo": (MPOTrainer, MPOConfig),
 }

@@ -158,24 +158,29 @@ def play(
     """Play one episode per (env, task) with batched generation; returns one `Rollout` per episode, in order.
 
     `prompts` (optional) are the dataset prompts; the first observation from `env.reset` replaces the content of their
-    last user message (so a TRL-style `reset` that appends text works as in TRL). `num_live_global` maps this process's
-    live-episode count to the count over all processes, so every process makes the same number of generate calls
-    (needed under ZeRO-3/FSDP, where each generate call is a collective); a process with nothing left generates on a
-    one-token dummy context and discards it.
+    last user message (so a TRL-style `reset` that appends text works as in TRL). A `reset` that returns a list of
+    chat messages (a conversation ending with the environment's turn, e.g. X-Tree's replayed prefix) gives the whole
+    prompt: those past turns are never part of the completion, so they are never trained on. `num_live_global` maps
+    this process's live-episode count to the count over all processes, so every process makes the same number of
+    generate calls (needed under ZeRO-3/FSDP, where each generate call is a collective); a process with nothing left
+    generates on a one-token dummy context and discards it.
     """
     settings = settings or LoopSettings()
     eos_id = tokenizer.eos_token_id
     rollouts, turns, last_obs = [], [], []  # last_obs: the observation before each env's next turn (state keys)
     for i, (env, task) in enumerate(zip(envs, tasks, strict=True)):
         first = env.reset(task)
-        messages = copy.deepcopy(prompts[i]) if prompts is not None else [{"role": "user", "content": first}]
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        user = [m for m in messages if m["role"] == "user"]
-        if user:
-            user[-1]["content"] = first
+        if isinstance(first, list):  # a conversation so far (e.g. a replayed prefix): it is the whole prompt
+            messages, first = copy.deepcopy(first), first[-1]["content"]
         else:
-            messages.append({"role": "user", "content": first})
+            messages = copy.deepcopy(prompts[i]) if prompts is not None else [{"role": "user", "content": first}]
+            if isinstance(messages, str):
+                messages = [{"role": "user", "content": messages}]
+            user = [m for m in messages if m["role"] == "user"]
+            if user:
+                user[-1]["content"] = first
+            else:
+                messages.append({"role": "user", "content": first})
         rollouts.append(
             Rollout(
                 prompt_ids=render_prompt_ids(tokenizer, messages, env.tools),
