@@ -16,7 +16,7 @@ PAGES = ROOT / "docs" / "methods"
 
 LABEL = r"(?:Eq\.\s?(?:I-)?\d+(?:[-–]\d+)?|[DCGP]\d+|§\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?)"
 CITATION = re.compile(
-    rf"\b(grpo|ppo|t1|mpo|draco|gigpo|taspo|alignopsd|beta-opsd|funnel|envsched|routing-replay|credit-interface|teacher-pass|conventions)\.md`?"
+    rf"\b(grpo|ppo|t1|mpo|draco|gigpo|taspo|alignopsd|beta-opsd|funnel|envsched|xtree|routing-replay|credit-interface|teacher-pass|conventions)\.md`?"
     rf"((?:\s*(?:,|and|or)?\s*{LABEL}(?:\s+items?\s+\d+(?:[-–]\d+)?(?:,\s*\d+(?:[-–]\d+)?)*)?)*)"
 )
 

@@ -24,7 +24,6 @@ import hashlib
 import json
 import math
 import re
-import shlex
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -115,20 +114,22 @@ def canon_search(action: str, ctx: dict) -> tuple[str, dict]:
 def canon_terminal(action: str, ctx: dict) -> tuple[str, dict]:
     """The terminal: the command's verb (`_TERMINAL_VERBS`), and a role from its shape: `write<file>` (echo > f),
     `write<append>` (echo >> f), `write<stdout>`, `remove<dir>` (rm -r), `remove<file>`, `read<pipe>` (a pipeline),
-    `<path>` for the other commands with operands, `<cwd>` without; `submit<task>`.
+    `<path>` for the other commands with operands, `<cwd>` without; `submit<task>`. The line is split as the
+    environment's shell splits it (quotes, and operators with or without spaces around them).
 
-    >>> canon_terminal("echo apple > zeta.txt", {})[0]
-    'write<file>'
+    >>> canon_terminal("echo apple>zeta.txt", {})
+    ('write<file>', {'raw': 'echo apple>zeta.txt', 'line': 'echo apple > zeta.txt', 'surface': 'echo <obj> <obj>'})
     >>> canon_terminal("rm -rf logs", {})[0]
     'remove<dir>'
     """
-    from envs.terminal import _command_line
+    from envs.terminal import _command_line, _tokenize
 
-    line = _command_line(action)
     try:
-        words = shlex.split(line)
+        tokens = _tokenize(_command_line(action))
     except ValueError:
         return _other(action)
+    words = [text for kind, text in tokens if kind == "word"]
+    ops = [text for kind, text in tokens if kind == "op"]
     if not words or words[0] not in _TERMINAL_VERBS:
         return _other(action)
     verb = _TERMINAL_VERBS[words[0]]
@@ -136,25 +137,26 @@ def canon_terminal(action: str, ctx: dict) -> tuple[str, dict]:
     flags = "".join(w[1:] for w in words[1:] if w.startswith("-") and not w.startswith("--"))
     if verb == "submit":
         role = "task"
-    elif "|" in words:
+    elif "|" in ops:
         role = "pipe"
     elif verb == "write":
-        role = "append" if ">>" in words else "file" if ">" in words else "stdout"
+        role = "append" if ">>" in ops else "file" if ">" in ops else "stdout"
     elif verb == "remove":
         role = "dir" if "r" in flags.lower() else "file"
     else:
         role = "path" if operands else "cwd"
     surface = words[0] + " <obj>" * min(len(operands), 3) if operands and verb != "submit" else words[0]
-    return f"{verb}<{role}>", {"raw": action, "line": " ".join(words), "surface": surface}
+    return f"{verb}<{role}>", {"raw": action, "line": " ".join(text for _, text in tokens), "surface": surface}
 
 
 def canon_generic(action: str, ctx: dict) -> tuple[str, dict]:
-    """Any other environment: the verb is the action's first word when it is one of the environment's action names
-    (`ctx["action_names"]`, e.g. `search[...]` -> `search<object>`), else `other`; the role is `object` (Eq. 1's
-    fallbacks)."""
+    """Any other environment: the verb is the action's first word (letters and underscores, lower-cased), e.g.
+    `search[...]` -> `search<object>`; when the environment lists its action names (`ctx["action_names"]`) a word
+    outside them becomes `other`. The role is `object` (Eq. 1's fallbacks)."""
     m = re.match(r"\s*([A-Za-z_]+)", action)
     verb = m.group(1).lower() if m else ""
-    if verb not in {n.lower() for n in ctx.get("action_names", ())}:
+    names = {n.lower() for n in ctx.get("action_names", ())}
+    if not verb or (names and verb not in names):
         return _other(action)
     return f"{verb}<object>", {"raw": action, "surface": verb}
 

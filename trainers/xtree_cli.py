@@ -4,32 +4,85 @@
     python -m trainers.xtree_cli show runs/xtree/shop.json
     python -m trainers.xtree_cli plot runs/xtree/shop.json --out runs/xtree/shop.png
 
+    python -m trainers.xtree_cli cards --environment terminal --out runs/xtree/terminal_cards
+
 `mine` logs one noisy-expert episode per training task of a built-in environment, mines the tree, writes it with its
-occurrence sidecar (.occ.jsonl) and a picture (.png) beside it, and prints it.
+occurrence sidecar (.occ.jsonl) and a picture (.png) beside it, and prints it. `cards` writes a dataset folder
+(train.jsonl, test.jsonl: the environment's train and eval tasks) whose `xtree_card` column holds each task's skill
+card (docs/methods/xtree.md §4.5), for β-OPSD's teacher: `python train.py --config configs/beta_opsd_shop.yaml
+--dataset_name runs/xtree/shop_cards --opsd_privileged column:xtree_card`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
-from trainers.xtree import MinerConfig, check_tree, load, mine, plot_tree, render_text, save
+from trainers.xtree import (
+    CorpusIndex,
+    MinerConfig,
+    canon,
+    card_key,
+    check_tree,
+    context_of,
+    load,
+    mine,
+    plot_tree,
+    render_card,
+    render_text,
+    save,
+)
 
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _corpus_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--environment", default="shop")
+    p.add_argument("--difficulty", type=int, default=0)
+    p.add_argument("--episodes", type=int, default=500, help="logged episodes (one per training task)")
+    p.add_argument("--noise", type=float, default=0.3, help="chance that the expert takes a plausible wrong action")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tasks and of the logged expert")
+    p.add_argument("--successful_only", action="store_true", help="mine on the successful episodes only")
+    types = {"min_success_rate": float, "min_families": int}
+    for name, value in MinerConfig().__dict__.items():
+        p.add_argument(f"--{name}", type=types.get(name, type(value)), default=value, help="miner setting (Eq. 3-4)")
+
+
+def _corpus(args):
+    """The environment class, its training tasks, the logged corpus and the mined tree of `args`."""
+    from envs import ENVIRONMENTS
+    from trainers.xtree_trainer import expert_corpus
+
+    if args.environment not in ENVIRONMENTS:
+        raise SystemExit(f"error: --environment must be one of {sorted(ENVIRONMENTS)}, got {args.environment!r}")
+    env_cls = ENVIRONMENTS[args.environment]
+    tasks = env_cls.make_tasks("train", args.episodes, seed=args.seed, difficulty=args.difficulty)
+    trajs, logs = expert_corpus(lambda task: env_cls(args.difficulty), tasks, args.noise, args.seed)
+    mined = [t for t in trajs if t.success] if args.successful_only else trajs
+    if not mined:
+        raise SystemExit("error: no episode to mine (no logged episode succeeded)")
+    cfg = MinerConfig(**{k: getattr(args, k) for k in MinerConfig().__dict__})
+    tree, occ = mine(mined, cfg, environment=args.environment, corpus_name=f"noisy expert ({args.noise})")
+    return env_cls, trajs, logs, tree, occ
+
+
+def task_card(tree, index: CorpusIndex, env, task: dict, env_name: str, **card_settings) -> str:
+    """The card of one task (docs/methods/xtree.md D14): keyed by its family, else the goal attribute it asks for,
+    else the expert's first canonical action on it."""
+    ctx = context_of(task, getattr(env, "action_names", ()))
+    env.reset(task)
+    first = canon(env_name, env.expert_action(), ctx)[0]
+    key, style = card_key(index, ctx["family"], ctx["goal_attributes"], first)
+    return render_card(tree, index, key, style, **card_settings)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """python -m trainers.xtree_cli {mine,show,plot} ...; see `--help`."""
+    """python -m trainers.xtree_cli {mine,show,plot,cards} ...; see `--help`."""
     parser = argparse.ArgumentParser(prog="python -m trainers.xtree_cli", description="Mine, print and draw X-Trees.")
     sub = parser.add_subparsers(dest="command", required=True)
     m = sub.add_parser("mine", help="log expert episodes of a built-in environment and mine a tree from them")
-    m.add_argument("--environment", default="shop")
-    m.add_argument("--difficulty", type=int, default=0)
-    m.add_argument("--episodes", type=int, default=500, help="logged episodes (one per training task)")
-    m.add_argument("--noise", type=float, default=0.3, help="chance that the expert takes a plausible wrong action")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--successful_only", action="store_true", help="mine on the successful episodes only")
-    for name, value in MinerConfig().__dict__.items():
-        m.add_argument(f"--{name}", type=type(value) if value is not None else float, default=value)
+    _corpus_arguments(m)
     m.add_argument("--out", required=True, help="tree file (.json); the occurrences go beside it (.occ.jsonl)")
     s = sub.add_parser("show", help="print a tree")
     s.add_argument("tree")
@@ -37,6 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("plot", help="draw a tree as a PNG")
     p.add_argument("tree")
     p.add_argument("--out", required=True)
+    c = sub.add_parser("cards", help="write train/test task files with each task's skill card (xtree_card column)")
+    _corpus_arguments(c)
+    c.add_argument("--train_tasks", type=int, default=2000)
+    c.add_argument("--test_tasks", type=int, default=200)
+    c.add_argument("--max_chains", type=int, default=6)
+    c.add_argument("--min_chain_support", type=int, default=5)
+    c.add_argument("--above_margin", type=float, default=0.01)
+    c.add_argument("--out", required=True, help="folder for train.jsonl, test.jsonl and the tree")
     args = parser.parse_args(argv)
     if args.command == "show":
         tree = load(args.tree)
@@ -49,21 +110,28 @@ def main(argv: list[str] | None = None) -> None:
         plot_tree(load(args.tree), args.out)
         print(f"wrote {args.out}")
         return
-    from envs import ENVIRONMENTS
-    from trainers.xtree_trainer import expert_corpus
+    env_cls, trajs, logs, tree, occ = _corpus(args)
+    if args.command == "mine":
+        save(tree, args.out, occ)
+        plot_tree(tree, args.out[: -len(".json")] + ".png" if args.out.endswith(".json") else args.out + ".png")
+        print(render_text(tree))
+        return
+    from trainers.xtree_trainer import corpus_index
 
-    if args.environment not in ENVIRONMENTS:
-        raise SystemExit(f"error: --environment must be one of {sorted(ENVIRONMENTS)}, got {args.environment!r}")
-    env_cls = ENVIRONMENTS[args.environment]
-    tasks = env_cls.make_tasks("train", args.episodes, seed=args.seed, difficulty=args.difficulty)
-    trajs, _ = expert_corpus(lambda task: env_cls(args.difficulty), tasks, args.noise, args.seed)
-    if args.successful_only:
-        trajs = [t for t in trajs if t.success]
-    cfg = MinerConfig(**{k: getattr(args, k) for k in MinerConfig().__dict__})
-    tree, occ = mine(trajs, cfg, environment=args.environment, corpus_name=f"noisy expert ({args.noise})")
-    save(tree, args.out, occ)
-    plot_tree(tree, args.out[: -len(".json")] + ".png" if args.out.endswith(".json") else args.out + ".png")
-    print(render_text(tree))
+    os.makedirs(args.out, exist_ok=True)
+    save(tree, os.path.join(args.out, "xtree.json"), occ)
+    index = corpus_index(trajs, logs)
+    settings = {"max_chains": args.max_chains, "min_chain_support": args.min_chain_support,
+                "above_margin": args.above_margin}  # fmt: skip
+    env = env_cls(args.difficulty)
+    for split, n, name in [("train", args.train_tasks, "train.jsonl"), ("eval", args.test_tasks, "test.jsonl")]:
+        tasks = env_cls.make_tasks(split, n, seed=args.seed, difficulty=args.difficulty)
+        with open(os.path.join(args.out, name), "w", encoding="utf-8") as f:
+            for task in tasks:
+                card = task_card(tree, index, env, task, args.environment, **settings)
+                f.write(json.dumps({"task": json.dumps(task), "xtree_card": card}) + "\n")
+    print(f"wrote {args.train_tasks} train and {args.test_tasks} test tasks with cards to {args.out}; a card:")
+    print(card)
 
 
 if __name__ == "__main__":

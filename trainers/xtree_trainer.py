@@ -204,6 +204,13 @@ def expert_corpus(
     return trajs, logs
 
 
+def corpus_index(trajs: list[xtree.Trajectory], logs: dict[str, Logged]) -> xtree.CorpusIndex:
+    """The corpus as cards read it (Eq. 11): episodes, and each step's abstracted surface form."""
+    surfaces = {t.id: [slot.get("surface", tok) for slot, tok in zip(logs[t.id].slots, t.tokens, strict=True)]
+                for t in trajs}  # fmt: skip
+    return xtree.CorpusIndex(list(trajs), surfaces)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Use (a): the node environment
 # ---------------------------------------------------------------------------------------------------------------------
@@ -344,7 +351,16 @@ class XTreeTrainer(AgentGRPOTrainer):
             raise ValueError("trainer xtree needs an environment (env_factory): the tree is mined from its episodes")
         if train_dataset is None or len(train_dataset) == 0:
             raise ValueError("trainer xtree needs a non-empty train_dataset of environment tasks")
+        if args.xtree_use == "bonus":  # checked before any episode is logged
+            verifier = reward_funcs if reward_funcs is not None else [reward_function(args)]
+            if not isinstance(verifier, list):
+                verifier = [verifier]
+            if len(verifier) != 1:
+                raise ValueError(
+                    f"the X-Tree bonus adds its column to exactly one verifier reward, got {len(verifier)}"
+                )
         tasks = [row_task(row) for row in train_dataset]
+        self.action_names = tuple(getattr(env_factory(train_dataset[0]), "action_names", ()) or ())
         trajs, logs = expert_corpus(lambda t: env_factory({"task": t}), tasks[: args.xtree_corpus_episodes],
                                     args.xtree_corpus_noise, args.seed)  # fmt: skip
         if args.xtree_tree:
@@ -361,8 +377,14 @@ class XTreeTrainer(AgentGRPOTrainer):
             )
         mode = args.xtree_bonus_mode
         self.bonus_mode = mode if mode != "auto" else ("depth" if self.tree.successful_only else "success_coverage")
-        self.node_counts: Counter = Counter()
         if args.xtree_use == "nodes":
+            missing = {o.traj_id for o in occurrences} - {t.id for t in trajs}
+            if missing:
+                raise ValueError(
+                    f"the occurrences of xtree_tree {args.xtree_tree!r} name {len(missing)} episodes this run did not "
+                    f"log (e.g. {sorted(missing)[0]!r}); node RL replays the episodes the tree was mined from: mine "
+                    "it from this run's training tasks (or leave xtree_tree unset)"
+                )
             rows = instance_rows(trajs, logs, self.tree, occurrences, args)
             if not rows:
                 raise ValueError(
@@ -383,13 +405,6 @@ class XTreeTrainer(AgentGRPOTrainer):
                 return _base(row)
 
         else:
-            verifier = reward_funcs if reward_funcs is not None else [reward_function(args)]
-            if not isinstance(verifier, list):
-                verifier = [verifier]
-            if len(verifier) != 1:
-                raise ValueError(
-                    f"the X-Tree bonus adds its column to exactly one verifier reward, got {len(verifier)}"
-                )
             reward_funcs = [verifier[0], self._bonus_function()]
         self._tiling_stats: list[tuple[float, float]] = []  # (coverage, mean tile depth) per rollout of the batch
         super().__init__(model, reward_funcs, args, train_dataset, *pargs, env_factory=env_factory, **kwargs)
@@ -417,7 +432,7 @@ class XTreeTrainer(AgentGRPOTrainer):
             for turns, t in zip(transcript, tasks, strict=True):
                 t = json.loads(t) if isinstance(t, str) else (t or {})
                 name = str(t.get("env") or self.tree.environment)
-                ctx = xtree.context_of(t)
+                ctx = xtree.context_of(t, self.action_names)
                 tokens = [xtree.canon(name, turn["action"], ctx)[0] for turn in turns]
                 tiling = xtree.encode(self.tree, tokens)
                 self._note_tiling(tiling, len(tokens))
@@ -428,7 +443,6 @@ class XTreeTrainer(AgentGRPOTrainer):
 
     def _note_tiling(self, tiling, n_actions: int) -> None:
         nodes = [(s, a, b) for s, a, b in tiling if s in self.tree.by_id]
-        self.node_counts.update(s for s, _, _ in nodes)
         self._tiling_stats.append(
             (sum(b - a for _, a, b in nodes) / n_actions if n_actions else 0.0,
              sum(self.tree.depth(s) for s, _, _ in tiling) / len(tiling) if tiling else 0.0)
