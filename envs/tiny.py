@@ -10,7 +10,11 @@ What `tiny_model("tiny:shop")` does, once per distinct setting (then it is read 
 4. warm-starts it with TRL's `SFTTrainer` on the noisy demonstrations, so that it succeeds on some tasks but not most;
 5. saves model and tokenizer into one folder, keyed by a hash of every setting above, and returns its path.
 
-The cache lives in `$AGENT_TRL_CACHE` (default `~/.cache/agent-trl`). Building the default takes well under a minute
+The cache lives in `$AGENT_TRL_CACHE` (default `~/.cache/agent-trl`). The repository ships the build of the
+quickstart's default (`tiny:shop`, every setting at its default) in `envs/shipped/`, under its cache name: an empty
+cache is filled from that copy instead of building (a first quickstart skips 300 SFT steps). A recipe change changes
+the key, so a stale copy is never used; `tests/test_tiny_shipped.py` checks that the copy matches the current key and,
+slow-marked, that a rebuild reproduces it byte for byte. Building the default takes well under a minute
 on two CPU cores. Demonstrations are noisy on purpose: with probability `noise` a turn takes the environment's
 `noisy_action` (a plausible mistake) instead of the expert's, so SFT alone imitates the mistakes in its sampling
 distribution and RL has something to remove (see the project's notes on measuring RL gains honestly).
@@ -262,6 +266,25 @@ def build_and_save(spec: TinySpec, tokenizer, demos: list, folder: Path) -> None
                 raise
 
 
+#: builds the repository ships, each in a folder named as its cache entry
+SHIPPED = Path(__file__).resolve().parent / "shipped"
+
+
+def install_shipped(folder: Path) -> None:
+    """Copy the shipped build named like `folder` into the cache, atomically (as `build_and_save` moves a build)."""
+    import shutil
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        staging = Path(tmp) / "model"
+        shutil.copytree(SHIPPED / folder.name, staging)
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if not (folder / "model.safetensors").exists():
+                raise
+
+
 def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> str:
     """Folder of the tiny default for `name` ("tiny:shop", "tiny-moe:search", ...), built if not cached."""
     from envs import ENVIRONMENTS
@@ -273,6 +296,9 @@ def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> st
         )
     folder = cache_root() / "tiny" / f"{name.replace(':', '-')}-{spec.key()}"
     if (folder / "model.safetensors").exists():
+        return str(folder)
+    if (SHIPPED / folder.name / "model.safetensors").exists():  # the repository's copy of this exact build
+        install_shipped(folder)
         return str(folder)
     env_cls = ENVIRONMENTS[spec.env]
     demos = demonstrations(env_cls, spec.num_demos, spec.seed, spec.difficulty, spec.noise, spec.privileged_frac)

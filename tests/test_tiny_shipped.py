@@ -1,0 +1,63 @@
+"""The repository ships the quickstart's tiny default prebuilt (envs/shipped/, envs/tiny.py): the copy is the build of
+the current default settings, an empty cache is filled from it without building, and (slow) a rebuild from scratch
+reproduces it byte for byte."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from envs import tiny
+from envs.tiny import SHIPPED, TinySpec, tiny_model
+
+FILES = ("model.safetensors", "tokenizer.json", "config.json", "tiny_spec.json")
+
+
+def shipped_folder():
+    return SHIPPED / f"tiny-shop-{TinySpec.parse('tiny:shop').key()}"
+
+
+def test_the_shipped_build_is_the_current_default():
+    """A recipe change changes the key; then the copy must be rebuilt and shipped again (this test says so)."""
+    folder = shipped_folder()
+    assert folder.is_dir(), f"envs/shipped/ has no build named {folder.name}: rebuild the default and ship it"
+    assert json.loads((folder / "tiny_spec.json").read_text()) == asdict(TinySpec.parse("tiny:shop"))
+    assert sorted(p.name for p in SHIPPED.iterdir()) == [folder.name]  # no stale copy lying around
+
+
+def test_an_empty_cache_is_filled_from_the_shipped_copy(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the default was built although a shipped copy exists")
+
+    monkeypatch.setattr(tiny, "build_and_save", no_build)
+    folder = tiny_model("tiny:shop")
+    assert folder.startswith(str(tmp_path))
+    for name in FILES:
+        assert (shipped_folder() / name).read_bytes() == (
+            tmp_path / "tiny" / shipped_folder().name / name
+        ).read_bytes()
+    assert list((tmp_path / "tiny").iterdir()) == [tmp_path / "tiny" / shipped_folder().name]  # no staging left
+
+
+def test_other_settings_are_still_built(tmp_path, monkeypatch):
+    """Only the exact default is shipped: another setting (here 1 SFT step on 16 demonstrations) builds as before."""
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path))
+    folder = tiny_model("tiny:shop", sft_steps=1, num_demos=16)
+    assert json.loads((tmp_path / "tiny" / folder.split("/")[-1] / "tiny_spec.json").read_text())["sft_steps"] == 1
+
+
+@pytest.mark.slow
+def test_a_rebuild_reproduces_the_shipped_build(tmp_path, monkeypatch):
+    """The shipped copy is what the repository's own build makes: built from scratch (about 2-3 minutes on 2 cores),
+    every file is byte-identical."""
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(tiny, "SHIPPED", tmp_path / "nothing-shipped")
+    tiny_model("tiny:shop")
+    for name in FILES:
+        assert (shipped_folder() / name).read_bytes() == (
+            tmp_path / "tiny" / shipped_folder().name / name
+        ).read_bytes(), name
