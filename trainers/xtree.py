@@ -36,8 +36,6 @@ FORMAT = "xtree/1"
 # 1. Canonicalisation (Eq. 1)
 # ---------------------------------------------------------------------------------------------------------------------
 
-_SHOP_ACTION = re.compile(r"(search|click|choose)\s*\[([^\[\]]*)\]|(buy)(?:\s*\[\s*\])?", re.IGNORECASE)
-_SEARCH_ACTION = re.compile(r"(search|answer)\s*\[([^\[\]]*)\]", re.IGNORECASE)
 _WORD = re.compile(r"[a-z0-9]+")
 
 #: terminal command -> verb (D3); redirections and flags pick the role
@@ -76,9 +74,9 @@ def canon_shop(action: str, ctx: dict) -> tuple[str, dict]:
     >>> canon_shop("choose[red]", {"goal_attributes": ["size"]})[0]
     'click<option>'
     """
-    from envs.shop import COLOURS, SIZES
+    from envs.shop import _ACTION, COLOURS, SIZES
 
-    m = _SHOP_ACTION.fullmatch(action.strip())
+    m = _ACTION.fullmatch(action.strip())  # the shop's own grammar
     if m is None:
         return _other(action)
     verb = (m.group(1) or m.group(3)).lower()
@@ -102,7 +100,9 @@ def canon_search(action: str, ctx: dict) -> tuple[str, dict]:
     >>> canon_search("I look it up. search[Zorvak Telmi]", {})[1]["query"]
     'Zorvak Telmi'
     """
-    found = _SEARCH_ACTION.findall(action)
+    from envs.search import _ACTION
+
+    found = _ACTION.findall(action)  # the environment's own grammar: the last action of the turn counts
     if not found:
         return _other(action)
     verb, arg = found[-1][0].lower(), found[-1][1].strip()
@@ -117,8 +117,9 @@ def canon_terminal(action: str, ctx: dict) -> tuple[str, dict]:
     `<path>` for the other commands with operands, `<cwd>` without; `submit<task>`. The line is split as the
     environment's shell splits it (quotes, and operators with or without spaces around them).
 
-    >>> canon_terminal("echo apple>zeta.txt", {})
-    ('write<file>', {'raw': 'echo apple>zeta.txt', 'line': 'echo apple > zeta.txt', 'surface': 'echo <obj> <obj>'})
+    >>> token, slots = canon_terminal("echo apple>zeta.txt", {})
+    >>> token, slots["line"]
+    ('write<file>', 'echo apple > zeta.txt')
     >>> canon_terminal("rm -rf logs", {})[0]
     'remove<dir>'
     """
@@ -146,7 +147,8 @@ def canon_terminal(action: str, ctx: dict) -> tuple[str, dict]:
     else:
         role = "path" if operands else "cwd"
     surface = words[0] + " <obj>" * min(len(operands), 3) if operands and verb != "submit" else words[0]
-    return f"{verb}<{role}>", {"raw": action, "line": " ".join(text for _, text in tokens), "surface": surface}
+    slots = {"raw": action, "words": [list(t) for t in tokens], "line": " ".join(text for _, text in tokens)}
+    return f"{verb}<{role}>", {**slots, "surface": surface}
 
 
 def canon_generic(action: str, ctx: dict) -> tuple[str, dict]:
@@ -186,7 +188,7 @@ def matches(env: str, gold: tuple[str, dict], action: tuple[str, dict], jaccard:
     """The step matcher of the logged environment (docs/methods/xtree.md D5): same token and same key slot.
     Returns (match, reason) with reason "" on a match, else "parse" (the action is `other`), "token" or "slot".
     Search queries match by word-set Jaccard >= `jaccard`; item ids, option values and answers case-insensitively;
-    terminal command lines token by token (shlex)."""
+    terminal command lines word by word as the shell splits them (quoted spaces kept)."""
     token, slots = action
     if token.startswith("other<"):
         return False, "parse"
@@ -199,8 +201,8 @@ def matches(env: str, gold: tuple[str, dict], action: tuple[str, dict], jaccard:
     elif "item" in g or "option" in g or "answer" in g:
         key = next(k for k in ("item", "option", "answer") if k in g)
         ok = " ".join(str(g[key]).lower().split()) == " ".join(str(slots.get(key, "")).lower().split())
-    elif "line" in g:
-        ok = g["line"] == slots.get("line")
+    elif "words" in g:  # shell words with their boundaries: `touch 'a b'` is not `touch a b`
+        ok = g["words"] == slots.get("words")
     else:
         ok = True
     return ok, "" if ok else "slot"
