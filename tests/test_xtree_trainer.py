@@ -264,3 +264,27 @@ def test_two_processes_shape_the_same_rewards(tiny_model_folder, tmp_path):
             assert shaped[g : g + 2, 1].tolist() == pytest.approx(expected)
             assert torch.equal(shaped[g : g + 2, 0], rows[:, 0])
     assert any(max(b[1] for b in batch["raw"]) > 0 for batch in ranks[0]["batches"])  # some rollout had a skill
+
+
+def test_mine_reads_a_users_logged_episodes(tmp_path, capsys):
+    """`mine --trajectories FILE.jsonl` on an environment without a table: the first word of each action is its verb.
+    Three copies each of a success (open, go, take) and a failure (go, take): (go, take) has f = 6, succ 1/2, X = 6,
+    and wins the tie with (open, go) (X = 3 * 2 * 1 = 6) by its higher f; then (open, S0) has f = 3, succ 1, X = 9.
+    The tree is written with its sidecar and printed. A malformed line is refused."""
+    from trainers.xtree_cli import main
+
+    lines = [{"id": str(i), "actions": ["open door", "go north", "take key"], "success": True} for i in range(3)]
+    lines += [{"id": str(i + 3), "actions": ["go north", "take key"], "success": False} for i in range(3)]
+    (tmp_path / "own.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lines))
+    out = tmp_path / "own.json"
+    main(["mine", "--environment", "mygame", "--trajectories", str(tmp_path / "own.jsonl"), "--min_frequency", "2",
+          "--mdl_lambda", "0", "--out", str(out)])  # fmt: skip
+    tree = xtree.load(str(out))
+    assert [(n.expansion, n.count, n.success) for n in tree.nodes] == [
+        (["go<object>", "take<object>"], 6, 0.5),
+        (["open<object>", "go<object>", "take<object>"], 3, 1.0),
+    ]
+    assert len(xtree.load_occurrences(str(out))) == 9 and "S1 (depth 2, count 3" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text('{"actions": ["a"], "success": "yes"}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1: `success` must be true or false"):
+        main(["mine", "--environment", "mygame", "--trajectories", str(tmp_path / "bad.jsonl"), "--out", str(out)])

@@ -6,7 +6,8 @@
 
     python -m trainers.xtree_cli cards --environment terminal --out runs/xtree/terminal_cards
 
-`mine` logs one noisy-expert episode per training task of a built-in environment, mines the tree, writes it with its
+`mine` reads logged episodes (`--trajectories FILE.jsonl`: one JSON object per line with `actions` and `success`), or
+logs one noisy-expert episode per training task of a built-in environment, mines the tree, writes it with its
 occurrence sidecar (.occ.jsonl) and a picture (.png) beside it, and prints it. `cards` writes a dataset folder
 (train.jsonl, test.jsonl: the environment's train and eval tasks) whose `xtree_card` column holds each task's skill
 card (docs/methods/xtree.md §4.5), for β-OPSD's teacher: `python train.py --config configs/beta_opsd_shop.yaml
@@ -22,6 +23,7 @@ import os
 from trainers.xtree import (
     CorpusIndex,
     MinerConfig,
+    Trajectory,
     canon,
     card_key,
     check_tree,
@@ -49,11 +51,49 @@ def _corpus_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", type=types.get(name, type(value)), default=value, help="miner setting (Eq. 3-4)")
 
 
+def read_trajectories(path: str, environment: str) -> list[Trajectory]:
+    """Logged episodes from a JSONL file, one per line: `actions` (the raw action strings, in order) and `success`
+    (bool) are required; `id` (default: the line number), `task_id` (default: the id), `task` (a dict the
+    canonicaliser reads, e.g. a shop task's `target`) and `family` are optional. `environment` picks the
+    canonicalisation table (shop, search, terminal; any other name: the first word of each action)."""
+    trajs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path}:{n} is not JSON ({e.msg})") from e
+            actions, success = row.get("actions"), row.get("success")
+            if not isinstance(actions, list) or not all(isinstance(a, str) for a in actions):
+                raise SystemExit(f"error: {path}:{n}: `actions` must be a list of strings")
+            if not isinstance(success, bool):
+                raise SystemExit(f"error: {path}:{n}: `success` must be true or false, got {success!r}")
+            ctx = context_of(row.get("task") or {})
+            tid = str(row.get("id", n))
+            trajs.append(Trajectory(id=tid, task_id=str(row.get("task_id", tid)), success=success,
+                                    tokens=[canon(environment, a, ctx)[0] for a in actions], actions=actions,
+                                    family=row.get("family", ctx["family"]),
+                                    goal_attributes=list(ctx["goal_attributes"])))  # fmt: skip
+    if not trajs:
+        raise SystemExit(f"error: {path} holds no episode")
+    return trajs
+
+
 def _corpus(args):
     """The environment class, its training tasks, the logged corpus and the mined tree of `args`."""
     from envs import ENVIRONMENTS
     from trainers.xtree_trainer import expert_corpus
 
+    cfg = MinerConfig(**{k: getattr(args, k) for k in MinerConfig().__dict__})
+    if getattr(args, "trajectories", None):
+        trajs = read_trajectories(args.trajectories, args.environment)
+        mined = [t for t in trajs if t.success] if args.successful_only else trajs
+        if not mined:
+            raise SystemExit("error: no episode to mine (none succeeded)")
+        tree, occ = mine(mined, cfg, environment=args.environment, corpus_name=args.trajectories)
+        return None, trajs, {}, tree, occ
     if args.environment not in ENVIRONMENTS:
         raise SystemExit(f"error: --environment must be one of {sorted(ENVIRONMENTS)}, got {args.environment!r}")
     env_cls = ENVIRONMENTS[args.environment]
@@ -62,7 +102,6 @@ def _corpus(args):
     mined = [t for t in trajs if t.success] if args.successful_only else trajs
     if not mined:
         raise SystemExit("error: no episode to mine (no logged episode succeeded)")
-    cfg = MinerConfig(**{k: getattr(args, k) for k in MinerConfig().__dict__})
     tree, occ = mine(mined, cfg, environment=args.environment, corpus_name=f"noisy expert ({args.noise})")
     return env_cls, trajs, logs, tree, occ
 
@@ -81,8 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     """python -m trainers.xtree_cli {mine,show,plot,cards} ...; see `--help`."""
     parser = argparse.ArgumentParser(prog="python -m trainers.xtree_cli", description="Mine, print and draw X-Trees.")
     sub = parser.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("mine", help="log expert episodes of a built-in environment and mine a tree from them")
+    m = sub.add_parser("mine", help="mine a tree from logged episodes (a JSONL file, or an environment expert)")
     _corpus_arguments(m)
+    m.add_argument("--trajectories", help="JSONL of logged episodes (see read_trajectories); default: log the expert")
     m.add_argument("--out", required=True, help="tree file (.json); the occurrences go beside it (.occ.jsonl)")
     s = sub.add_parser("show", help="print a tree")
     s.add_argument("tree")

@@ -361,8 +361,18 @@ class XTreeTrainer(AgentGRPOTrainer):
                 )
         tasks = [row_task(row) for row in train_dataset]
         self.action_names = tuple(getattr(env_factory(train_dataset[0]), "action_names", ()) or ())
-        trajs, logs = expert_corpus(lambda t: env_factory({"task": t}), tasks[: args.xtree_corpus_episodes],
-                                    args.xtree_corpus_noise, args.seed)  # fmt: skip
+        trajs, logs = [], {}
+        if not args.xtree_tree or args.xtree_use == "nodes":  # a bonus on a given tree needs no logged episode
+            try:
+                trajs, logs = expert_corpus(lambda t: env_factory({"task": t}), tasks[: args.xtree_corpus_episodes],
+                                            args.xtree_corpus_noise, args.seed)  # fmt: skip
+            except NotImplementedError as e:
+                raise ValueError(
+                    "X-Tree logs the environment's noisy expert (expert_action, noisy_action) to mine its tree and "
+                    f"replay node prefixes, and this environment has none ({e!r}). Mine a tree from your own logged "
+                    "episodes (python -m trainers.xtree_cli mine --trajectories FILE.jsonl) and use it as a bonus "
+                    "(xtree_tree: FILE, xtree_use: bonus)"
+                ) from e
         if args.xtree_tree:
             self.tree = xtree.load(args.xtree_tree)
             occurrences = xtree.load_occurrences(args.xtree_tree) if args.xtree_use == "nodes" else []
