@@ -52,12 +52,31 @@ def test_other_settings_are_still_built(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_rebuild_reproduces_the_shipped_build(tmp_path, monkeypatch):
-    """The shipped copy is what the repository's own build makes: built from scratch (about 2-3 minutes on 2 cores),
-    every file is byte-identical."""
+    """The shipped copy is what the repository's own build makes. Built from scratch (about 2-3 minutes on 2 cores):
+    tokenizer, config and settings are byte-identical; the weights are byte-identical on the machine that built the
+    copy, and elsewhere (SFT's float reductions depend on the CPU) the rebuilt agent's greedy held-out success is
+    within 0.1 of the shipped one's on 100 eval tasks."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from envs.shop import ShopEnv
+    from trainers.agent_loop import LoopSettings, evaluate
+
     monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path))
     monkeypatch.setattr(tiny, "SHIPPED", tmp_path / "nothing-shipped")
-    tiny_model("tiny:shop")
-    for name in FILES:
-        assert (shipped_folder() / name).read_bytes() == (
-            tmp_path / "tiny" / shipped_folder().name / name
-        ).read_bytes(), name
+    rebuilt = tmp_path / "tiny" / shipped_folder().name
+    assert tiny_model("tiny:shop") == str(rebuilt)
+    for name in ("tokenizer.json", "config.json", "tiny_spec.json"):
+        assert (shipped_folder() / name).read_bytes() == (rebuilt / name).read_bytes(), name
+    a, b = load_file(shipped_folder() / "model.safetensors"), load_file(rebuilt / "model.safetensors")
+    if all(torch.equal(a[k], b[k]) for k in a):
+        return
+    tasks = ShopEnv.make_tasks("eval", 100, seed=0)
+    success = []
+    for folder in (shipped_folder(), rebuilt):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+        settings = LoopSettings(max_turn_tokens=24, max_completion_length=256)
+        success.append(evaluate(model, tokenizer, ShopEnv, tasks, settings, greedy=True, progress=False)["success"])
+    assert abs(success[0] - success[1]) <= 0.1, success
