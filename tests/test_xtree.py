@@ -45,6 +45,7 @@ from trainers.xtree import (
     render_text,
     shape_rewards,
     split_half,
+    tree_stats,
     win_rates,
 )
 
@@ -1422,3 +1423,15 @@ def test_card_key_and_episodes():
     assert [t.id for t in episodes_for(fam, "fb", "family_chains")] == ["e6"]
     card = render_card(hand_tree([("s", "o")]), plain, "s", "first_action", min_chain_support=1)
     assert chain_ids(card) == ["S0"] and "(2 episodes)" in card.splitlines()[0]
+
+
+def test_tree_stats_on_a_hand_corpus():
+    """§8 miner report: five episodes (a, b) and one (c): one merge S0 = (a, b) with count 5. The corpus shrinks
+    from 11 symbols to 6 (compression 6/11), 10 of 11 actions lie inside a depth-1 tile (coverage 10/11), and S0's own
+    expansion encodes to S0 alone."""
+    trajs = [Trajectory(f"t{i}", f"t{i}", True, ["a", "b"]) for i in range(5)] + [Trajectory("u", "u", True, ["c"])]
+    tree, _ = mine(trajs, MinerConfig(min_frequency=2, mdl_lambda=0.0))
+    stats = tree_stats(tree, trajs)
+    assert stats["nodes"] == 1 and stats["depths"] == {"1": 1} and stats["max_depth"] == 1
+    assert stats["compression"] == pytest.approx(6 / 11) and stats["coverage"] == pytest.approx(10 / 11)
+    assert stats["self_encoding_failures"] == [] and stats["score"] == {"p_len": 1.0, "p_succ": 1.0, "eps": 0.0}

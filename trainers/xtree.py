@@ -573,6 +573,26 @@ def check_tree(tree: Tree) -> list[str]:
     return problems
 
 
+def tree_stats(tree: Tree, trajectories: Sequence[Trajectory]) -> dict:
+    """The miner's report (docs/methods/xtree.md §8): nodes, depth histogram, compression (corpus length after the
+    merges over before), coverage (share of actions inside depth >= 1 tiles), self-encoding failures (nodes whose own
+    expansion does not encode to themselves alone) and the X-Score settings."""
+    before = sum(len(t.tokens) for t in trajectories)
+    tilings = [encode(tree, t.tokens) for t in trajectories]
+    covered = sum(b - a for tiling in tilings for s, a, b in tiling if tree.depth(s) >= 1)
+    failures = [n.id for n in tree.nodes if [s for s, _, _ in encode(tree, n.expansion)] != [n.id]]
+    depths = Counter(n.depth for n in tree.nodes)
+    return {
+        "nodes": len(tree.nodes),
+        "depths": {str(d): depths[d] for d in sorted(depths)},
+        "max_depth": max(depths, default=0),
+        "compression": sum(len(t) for t in tilings) / before if before else 1.0,
+        "coverage": covered / before if before else 0.0,
+        "self_encoding_failures": failures,
+        "score": {k: tree.config.get(k) for k in ("p_len", "p_succ", "eps")},
+    }
+
+
 def render_text(tree: Tree, max_nodes: int | None = None) -> str:
     """The tree as text, deepest skills first: each top node (one no other node uses) with its children indented."""
     used = {c for n in tree.nodes for c in n.children}

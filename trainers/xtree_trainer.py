@@ -418,6 +418,7 @@ class XTreeTrainer(AgentGRPOTrainer):
             reward_funcs = [verifier[0], self._bonus_function()]
         self._tiling_stats: list[tuple[float, float]] = []  # (coverage, mean tile depth) per rollout of the batch
         super().__init__(model, reward_funcs, args, train_dataset, *pargs, env_factory=env_factory, **kwargs)
+        self.tree_stats = xtree.tree_stats(self.tree, trajs) if trajs else None
         if self.accelerator.is_main_process:
             self.write_tree(occurrences)
 
@@ -428,6 +429,12 @@ class XTreeTrainer(AgentGRPOTrainer):
         xtree.plot_tree(self.tree, os.path.join(self.args.output_dir, "xtree.png"))
         depths = Counter(n.depth for n in self.tree.nodes)
         print(f"X-Tree: {len(self.tree.nodes)} skills, depths {dict(sorted(depths.items()))} -> {path}")
+        if self.tree_stats is not None:
+            stats = self.tree_stats
+            with open(os.path.join(self.args.output_dir, "xtree_stats.json"), "w") as f:
+                json.dump(stats, f, indent=1)
+            print(f"X-Tree on its corpus: compression {stats['compression']:.3f}, coverage {stats['coverage']:.3f}, "
+                  f"{len(stats['self_encoding_failures'])} self-encoding failures")  # fmt: skip
         if self.args.xtree_use == "nodes":
             print(f"X-Tree node RL: instances per depth {dict(sorted(self.instance_depths.items()))}")
 
