@@ -17,7 +17,9 @@ AlignOPSD runs with its shop recipe's settings (matching by action, K = 2, teach
 the table adds its teacher generation, teacher forwards and encoder time per step. The Funnel runs one consolidation
 step at its most expensive (a one-entry state, every task selected: the JSD attribution's two teacher forwards and the
 distillation's student and teacher forwards on every row); its loop's other costs (evidence, gates, selection, editor
-calls) are episodes and requests, counted per run in summary.json's `funnel.rollouts`.
+calls) are episodes and requests, counted per run in summary.json's `funnel.rollouts`. X-Tree runs its skill bonus
+(`xtree_use: bonus`): the tree is mined when the trainer is built (not timed, about a second); each step adds the
+bonus reward function (canonicalising and encoding every rollout's actions) and the per-group rescaling.
 
 Each method runs twice: learning (learning rate 1e-3), where every method plays its own episodes and their lengths
 drift apart as the policies move (a policy that learns shorter episodes generates and trains faster), and with the
@@ -59,7 +61,7 @@ from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, dem
 from train import env_rows  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 
-METHODS = ("grpo", "ppo", "mpo", "gigpo", "taspo", "alignopsd", "beta_opsd", "funnel")
+METHODS = ("grpo", "ppo", "mpo", "gigpo", "taspo", "alignopsd", "beta_opsd", "funnel", "xtree")
 EXTRA = (
     "taspo/teacher_forward_s",
     "taspo/analyzer_calls",

@@ -288,3 +288,20 @@ def test_mine_reads_a_users_logged_episodes(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"actions": ["a"], "success": "yes"}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:1: `success` must be true or false"):
         main(["mine", "--environment", "mygame", "--trajectories", str(tmp_path / "bad.jsonl"), "--out", str(out)])
+
+
+def test_expert_gold_keeps_random_steps_out_of_continuations():
+    """D20: with xtree_gold expert no instance's gold continuation holds a step the logged expert took at random (its
+    prefix may); xtree_gold logged keeps such instances (the shop's noisy corpus has them)."""
+    trajs, logs, tree, occ, rows, _ = corpus_and_rows(ShopEnv, n=300, xtree_gold="expert")
+    *_, logged_rows, _ = corpus_and_rows(ShopEnv, n=300, xtree_gold="logged")
+
+    def gold_noise(row):
+        inst = instance_of(row)["xtree_instance"]
+        s = len(inst["prefix"])
+        return logs[inst["traj_id"]].noisy[s : s + len(inst["gold_tokens"])]
+
+    assert rows and not any(any(gold_noise(r)) for r in rows)
+    assert any(any(gold_noise(r)) for r in logged_rows)
+    assert any(any(logs[instance_of(r)["xtree_instance"]["traj_id"]].noisy[: len(instance_of(r)["xtree_instance"]
+               ["prefix"])]) for r in rows)  # fmt: skip

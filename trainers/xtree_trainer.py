@@ -103,6 +103,11 @@ class XTreeConfig(AgentGRPOConfig):
     xtree_instance_source: str = field(
         default="successful", metadata={"help": "'successful' (D4) or 'all' episodes of half B feed node instances."}
     )
+    xtree_gold: str = field(
+        default="expert",
+        metadata={"help": "Node instances whose gold continuation is: 'expert' (no step the logged expert took at "
+                  "random, D20) or 'logged' (any occurrence in a successful episode)."},
+    )  # fmt: skip
     xtree_jaccard: float = field(
         default=0.5, metadata={"help": "Word-set Jaccard at which a search query matches the logged one (D5)."}
     )
@@ -116,6 +121,8 @@ class XTreeConfig(AgentGRPOConfig):
             problems.append(f"xtree_bonus_mode must be one of {BONUS_MODES}, got {self.xtree_bonus_mode!r}")
         if self.xtree_mixing not in MIXINGS:
             problems.append(f"xtree_mixing must be one of {MIXINGS}, got {self.xtree_mixing!r}")
+        if self.xtree_gold not in ("expert", "logged"):
+            problems.append(f"xtree_gold must be 'expert' or 'logged', got {self.xtree_gold!r}")
         if self.xtree_instance_source not in ("successful", "all"):
             problems.append(f"xtree_instance_source must be 'successful' or 'all', got {self.xtree_instance_source!r}")
         if not 0 < self.xtree_w_max:
@@ -159,6 +166,7 @@ class Logged:
     observations: list[str]  # o_0 .. o_T (o_0 = the first observation)
     state_keys: list[str | None]  # before each action
     slots: list[dict]
+    noisy: list[bool] = field(default_factory=list)  # per action: the logged expert took a plausible wrong action
 
 
 def env_name(env: Env, task: dict) -> str:
@@ -175,10 +183,11 @@ def expert_corpus(
         env = factory(task)
         rng = random.Random(f"xtree-corpus|{seed}|{task.get('task_id', i)}")
         first = env.reset(task)
-        observations, keys, actions, success = [first], [], [], False
+        observations, keys, actions, noisy, success = [first], [], [], [], False
         for _ in range(env.max_turns):
             keys.append(state_key_of(env, observations[-1]))
-            action = env.noisy_action(rng) if rng.random() < noise else env.expert_action()
+            noisy.append(rng.random() < noise)
+            action = env.noisy_action(rng) if noisy[-1] else env.expert_action()
             observation, _, done, info = env.step(action)
             actions.append(action)
             observations.append(observation)
@@ -200,7 +209,7 @@ def expert_corpus(
                 goal_attributes=list(ctx["goal_attributes"]),
             )
         )
-        logs[trajs[-1].id] = Logged(task, observations, keys, [s for _, s in canonical])
+        logs[trajs[-1].id] = Logged(task, observations, keys, [s for _, s in canonical], noisy)
     return trajs, logs
 
 
@@ -299,7 +308,11 @@ def instance_rows(
     occurrences: list[xtree.Occurrence],
     args: XTreeConfig,
 ) -> list[dict]:
-    """Dataset rows of the node instances (§4.3), ordered by `xtree_mixing`; each row's task carries the instance."""
+    """Dataset rows of the node instances (§4.3), ordered by `xtree_mixing`; each row's task carries the instance.
+    With `xtree_gold: expert` an occurrence whose gold continuation holds a step the logged expert took at random is
+    no instance (D20); its prefix may hold such steps."""
+    if args.xtree_gold == "expert":
+        occurrences = [o for o in occurrences if not any(logs[o.traj_id].noisy[o.start : o.end])]
     chosen = xtree.node_instances(
         tree, occurrences, trajs, args.seed, args.xtree_max_instances_per_node, args.xtree_instance_source
     )
