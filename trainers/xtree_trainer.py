@@ -347,11 +347,6 @@ def instance_rows(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def skill_bonus(completions, transcript=None, task=None, **kwargs) -> list[float]:
-    """Placeholder name of the raw-bonus reward column; `XTreeTrainer` binds the real function (`_raw_bonus`)."""
-    raise RuntimeError("skill_bonus is bound by XTreeTrainer")
-
-
 class XTreeTrainer(AgentGRPOTrainer):
     """GRPO with an X-Tree: the skill bonus (`xtree_use: bonus`) or node RL (`xtree_use: nodes`); see the module
     docstring. Needs `env_factory`."""
