@@ -26,6 +26,13 @@ def test_command_line_overrides_the_yaml(tmp_path):
     assert cfg.learning_rate == 0.01
 
 
+def test_a_field_that_prefixes_another_is_not_abbreviated(tmp_path):
+    """`--reward` is the config's reward field, not an abbreviation of the run field `--reward_funcs` (the probe parser
+    that picks the trainer once refused it as ambiguous)."""
+    run, cfg, _, _ = train.parse(config(tmp_path, "") + ["--reward", "env"])
+    assert cfg.reward == "env" and run.reward_funcs is None
+
+
 def test_unknown_field_is_named(tmp_path):
     with pytest.raises(SystemExit, match="learnin_rate"):
         train.parse(config(tmp_path, "learnin_rate: 0.1\n"))
