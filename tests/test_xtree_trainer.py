@@ -288,6 +288,11 @@ def test_mine_reads_a_users_logged_episodes(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"actions": ["a"], "success": "yes"}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:1: `success` must be true or false"):
         main(["mine", "--environment", "mygame", "--trajectories", str(tmp_path / "bad.jsonl"), "--out", str(out)])
+    (tmp_path / "list.jsonl").write_text('["open door"]\n')
+    with pytest.raises(SystemExit, match="list.jsonl:1 is not a JSON object"):
+        main(["mine", "--environment", "mygame", "--trajectories", str(tmp_path / "list.jsonl"), "--out", str(out)])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["mine", "--environment", "mygame", "--trajectories", str(tmp_path / "none.jsonl"), "--out", str(out)])
 
 
 def test_expert_gold_keeps_random_steps_out_of_continuations():

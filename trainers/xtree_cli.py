@@ -56,6 +56,8 @@ def read_trajectories(path: str, environment: str) -> list[Trajectory]:
     (bool) are required; `id` (default: the line number), `task_id` (default: the id), `task` (a dict the
     canonicaliser reads, e.g. a shop task's `target`) and `family` are optional. `environment` picks the
     canonicalisation table (shop, search, terminal; any other name: the first word of each action)."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --trajectories file {path!r} does not exist")
     trajs = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -65,6 +67,8 @@ def read_trajectories(path: str, environment: str) -> list[Trajectory]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"error: {path}:{n} is not JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise SystemExit(f"error: {path}:{n} is not a JSON object")
             actions, success = row.get("actions"), row.get("success")
             if not isinstance(actions, list) or not all(isinstance(a, str) for a in actions):
                 raise SystemExit(f"error: {path}:{n}: `actions` must be a list of strings")

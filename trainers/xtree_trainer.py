@@ -159,8 +159,8 @@ class XTreeConfig(AgentGRPOConfig):
 
 @dataclass
 class Logged:
-    """What the corpus keeps of one episode beyond its canonical tokens: the task, each step's observation before
-    the action, state key before the action, and the last observation."""
+    """What the corpus keeps of one episode beyond its canonical tokens: the task, every observation (the first, then
+    the one after each action), the state key before each action, each action's slots and whether it was random."""
 
     task: dict
     observations: list[str]  # o_0 .. o_T (o_0 = the first observation)
