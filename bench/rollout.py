@@ -12,8 +12,9 @@ What is timed is one call of each trainer's `_generate_and_score_completions` on
 whole rollout phase of a GRPO step (environment reset, prompt rendering, multi-turn generation, tool calls, reward,
 padding), without the optimizer step. Ours is `AgentGRPOTrainer(env_factory=lambda row: ToolEnv(ShopTools))`, whose
 `rollout_func` runs `trainers/agent_loop.play` (which also computes sampling log-probs); TRL's is
-`GRPOTrainer(environment_factory=ShopTools)`. A third arm is ours with `reuse_kv_cache: false` (each turn prefills
-the whole context again), to show what keeping the KV cache across turns buys. The loops alternate `--repeats` times
+`GRPOTrainer(environment_factory=ShopTools)`. Two more arms show where ours gains: ours sampling through
+transformers' `model.generate` instead of its own decode loop (`agent_loop.sample_tokens`), and ours with
+`reuse_kv_cache: false` (each turn prefills the whole context again). The loops alternate `--repeats` times
 after one untimed warm-up call each, and the table reports ratios of the median times. Success =
 `ShopTools.get_reward() == 1.0` (all five attributes), read from the environment instances of each loop; turns = runs
 of model tokens in `completion_mask * tool_mask`, counted the same way for every loop.
@@ -22,6 +23,9 @@ The loops sample identically (same seed, same first turns) but do not play ident
 (invalid JSON, a `name` that is not a string) is an error observation in `ToolEnv`, and the episode goes on, while
 TRL's `parse_response` falls back to plain text, which ends the episode. With a weak model ours therefore plays more
 turns per episode; the turns/s and model tokens/s columns normalise for that.
+
+The ceiling is model compute without sequential decoding: one no-grad forward of the same model over the last timed
+call's whole batch (prompt and completion ids, padded as TRL pads them), in tokens per second of its non-pad tokens.
 
     HF_HUB_OFFLINE=1 python bench/rollout.py --episodes 64 --repeats 3
 
@@ -32,6 +36,7 @@ the warm-up times, the settings, library versions and machine) and result.md (th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -80,6 +85,38 @@ def turns_and_tokens(out: dict) -> tuple[list[int], list[int]]:
     return starts.tolist(), mask.sum(1).tolist()
 
 
+OURS, GENERATE_ARM = "agent_loop (ours)", "agent_loop, transformers generate"
+NO_REUSE, TRL = "agent_loop, reuse_kv_cache: false", "TRL environment_factory"
+
+
+@contextlib.contextmanager
+def through_generate(active: bool):
+    """While active, `hf_generate` finds no cache for its own decode loop and samples with `model.generate`."""
+    from trainers import agent_loop
+
+    saved = agent_loop.growing_cache
+    if active:
+        agent_loop.growing_cache = lambda model: None
+    try:
+        yield
+    finally:
+        agent_loop.growing_cache = saved
+
+
+def bare_forward_tokens_per_s(model, out: dict, repeats: int = 3) -> float:
+    """Non-pad tokens per second of one no-grad forward over a rollout batch's prompt and completion ids (best of
+    `repeats`): model compute without sequential decoding, the ceiling for a rollout's model tokens per second."""
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(input_ids=ids, attention_mask=mask)
+            best = min(best, time.perf_counter() - start)
+    return float(mask.sum()) / best
+
+
 def build_trainers(args: argparse.Namespace, folder: str, rows: list[dict]):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -120,6 +157,7 @@ def build_trainers(args: argparse.Namespace, folder: str, rows: list[dict]):
         return trainer, lambda n: [env.instance.get_reward() for env in made[-n:]]
 
     ours, ours_rewards = agent_trainer(reuse=True)
+    via_generate, via_generate_rewards = agent_trainer(reuse=True)
     plain, plain_rewards = agent_trainer(reuse=False)
     trl = GRPOTrainer(
         model=folder,
@@ -133,16 +171,17 @@ def build_trainers(args: argparse.Namespace, folder: str, rows: list[dict]):
         environment_factory=ShopTools,
     )
     torch.testing.assert_close(dict(ours.model.named_parameters()), dict(trl.model.named_parameters()))
-    for trainer in (ours, plain, trl):
+    for trainer in (ours, via_generate, plain, trl):
         trainer.model.train()  # rollouts as during training
 
     def trl_rewards(n: int) -> list[float]:
         return [env.get_reward() for env in trl.environments]
 
     return {
-        "agent_loop (ours)": (ours, ours_rewards),
-        "agent_loop, reuse_kv_cache: false": (plain, plain_rewards),
-        "TRL environment_factory": (trl, trl_rewards),
+        OURS: (ours, ours_rewards),
+        GENERATE_ARM: (via_generate, via_generate_rewards),
+        NO_REUSE: (plain, plain_rewards),
+        TRL: (trl, trl_rewards),
     }
 
 
@@ -167,12 +206,17 @@ def summarise(runs: list[dict], episodes: int) -> dict:
             "success": statistics.mean(r == 1.0 for r in rewards),
             "reward": statistics.mean(rewards),
         }
-    ours, plain, trl = (loops[name]["episodes_per_s"] for name in loops)
-    return {"loops": loops, "ratio_ours_over_trl": ours / trl, "ratio_kv_reuse_over_no_reuse": ours / plain}
+    ours, generate, plain, trl = (loops[name]["episodes_per_s"] for name in (OURS, GENERATE_ARM, NO_REUSE, TRL))
+    return {
+        "loops": loops,
+        "ratio_ours_over_trl": ours / trl,
+        "ratio_decode_loop_over_generate": ours / generate,
+        "ratio_kv_reuse_over_no_reuse": ours / plain,
+    }
 
 
 def report(summary: dict, args: argparse.Namespace, model: str) -> str:
-    """The console text and result.md: settings line, the table, the two ratios."""
+    """The console text and result.md: settings line, the table, the ratios and the ceiling."""
     lines = [
         f"{args.episodes} episodes x {args.repeats} repeats, G={args.group_size},"
         f" {args.max_turn_tokens} tokens/turn, {args.max_turns} turns, {args.max_completion_length} tokens/episode,"
@@ -188,7 +232,19 @@ def report(summary: dict, args: argparse.Namespace, model: str) -> str:
             f"{row['success']:.3f} | {row['reward']:.3f} |"
         )
     lines.append(f"\nratio of medians (ours / TRL, episodes/s): {summary['ratio_ours_over_trl']:.2f}")
+    lines.append(
+        f"ratio of medians (own decode loop / transformers generate, episodes/s): "
+        f"{summary['ratio_decode_loop_over_generate']:.2f}"
+    )
     lines.append(f"ratio of medians (KV reuse / no reuse, episodes/s): {summary['ratio_kv_reuse_over_no_reuse']:.2f}")
+    if "ceiling_tokens_per_s" in summary:
+        ceiling = summary["ceiling_tokens_per_s"]
+        ours = summary["loops"][OURS]["episodes_per_s"] * summary["tokens_per_episode"]
+        lines.append(
+            f"ceiling (one no-grad forward over a whole rollout batch): {ceiling:.0f} tokens/s; ours goes through its"
+            f" episodes' tokens (prompt, model and environment, {summary['tokens_per_episode']:.0f} per episode) at"
+            f" {ours:.0f} tokens/s, {ours / ceiling:.1%} of it"
+        )
     return "\n".join(lines)
 
 
@@ -209,9 +265,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     warmup: dict[str, float] = {}
     for name, (trainer, _) in loops.items():  # untimed warm-up: one group each (its time is kept, not compared)
-        start = time.perf_counter()
-        trainer._generate_and_score_completions([dict(x) for x in inputs[: args.group_size]])
-        warmup[name] = time.perf_counter() - start
+        with through_generate(name == GENERATE_ARM):
+            start = time.perf_counter()
+            trainer._generate_and_score_completions([dict(x) for x in inputs[: args.group_size]])
+            warmup[name] = time.perf_counter() - start
 
     runs: list[dict] = []  # one record per timed call, in the order they ran
     prompts: dict[str, list[list[int]]] = {}
@@ -220,9 +277,12 @@ def main(argv: list[str] | None = None) -> dict:
         for position, name in enumerate(names if r % 2 == 0 else names[::-1]):  # alternate which loop goes first
             trainer, read_rewards = loops[name]
             torch.manual_seed(args.seed + r)
-            start = time.perf_counter()
-            out = trainer._generate_and_score_completions([dict(x) for x in inputs])
-            seconds = time.perf_counter() - start
+            with through_generate(name == GENERATE_ARM):
+                start = time.perf_counter()
+                out = trainer._generate_and_score_completions([dict(x) for x in inputs])
+                seconds = time.perf_counter() - start
+            if name == names[0]:
+                last_ours = out
             episode_turns, episode_tokens = turns_and_tokens(out)
             prompts[name] = [
                 ids[m.bool()].tolist() for ids, m in zip(out["prompt_ids"], out["prompt_mask"], strict=True)
@@ -243,6 +303,9 @@ def main(argv: list[str] | None = None) -> dict:
     if any(prompts[name] != prompts[names[0]] for name in names):
         raise RuntimeError("the loops rendered different prompt ids")
     summary = summarise(runs, args.episodes)
+    summary["ceiling_tokens_per_s"] = bare_forward_tokens_per_s(loops[names[0]][0].model, last_ours)
+    summary["tokens_per_episode"] = float(torch.cat([last_ours["prompt_mask"], last_ours["completion_mask"]], 1).sum())
+    summary["tokens_per_episode"] /= args.episodes
     text = report(summary, args, folder)
     print("\n" + text)
     measured = {"model": folder, "model_build_seconds": build_seconds, "warmup_s": warmup, "runs": runs, **summary}

@@ -184,3 +184,159 @@ def test_kv_reuse_across_turns_matches_full_prefill(tiny_tokenizer, tiny_model_f
         assert reused.completion_ids == plain.completion_ids and reused.env_mask == plain.env_mask
         torch.testing.assert_close(torch.tensor(reused.logprobs), torch.tensor(plain.logprobs), atol=1e-5, rtol=0)
     assert fed[True] < fed[False]
+
+
+def test_own_decode_loop_plays_the_episodes_of_transformers_generate(tiny_tokenizer, tiny_model_folder, monkeypatch):
+    """Greedy episodes sampled by `sample_tokens` (the default for a plain decoder) equal those of `model.generate`
+    with the same KV reuse across turns: same ids, same log-probs up to float rounding; the own loop really ran."""
+    from transformers import AutoModelForCausalLM
+
+    from trainers import agent_loop
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
+    tasks = episodes(6, seed=3)
+    settings = LoopSettings(max_turn_tokens=5, max_completion_length=80)
+    assert agent_loop.growing_cache(model) is not None
+    own = play(hf_generate(model, tiny_tokenizer, do_sample=False), tiny_tokenizer, [EchoEnv() for _ in tasks], tasks,
+               settings=settings)  # fmt: skip
+    monkeypatch.setattr(agent_loop, "growing_cache", lambda model: None)
+    calls = []
+    real_generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **k: calls.append(1) or real_generate(*a, **k))
+    ref = play(hf_generate(model, tiny_tokenizer, do_sample=False), tiny_tokenizer, [EchoEnv() for _ in tasks], tasks,
+               settings=settings)  # fmt: skip
+    assert calls and max(len(r.turn_rewards) for r in ref) > 1
+    for a, b in zip(own, ref, strict=True):
+        assert a.completion_ids == b.completion_ids and a.env_mask == b.env_mask
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+class FixedLogits(torch.nn.Module):
+    """A stand-in model whose next-token logits are `table[step]`, (V,) for every row or (N, V) per row (the last entry
+    of the table repeats), counting the positions it is fed."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table, self.calls, self.fed = table, 0, []
+
+    def forward(self, input_ids, attention_mask, position_ids, cache, use_cache, logits_to_keep):
+        assert input_ids.shape == position_ids.shape and attention_mask.shape[1] == self.total(input_ids)
+        self.fed.append(input_ids.shape[1])
+        row = self.table[min(self.calls, len(self.table) - 1)]
+        self.calls += 1
+        return type("Out", (), {"logits": row.expand(input_ids.shape[0], -1)[:, None, :]})()
+
+    def total(self, input_ids):
+        return sum(self.fed) + input_ids.shape[1]
+
+
+class NoCache:
+    def get_seq_length(self):
+        return 0
+
+
+def test_sampler_draws_from_the_processed_distribution():
+    """20000 rows drawn once from fixed logits under temperature 0.5 and top-k 3: each token's frequency is within 5
+    standard errors of its probability, computed here by hand (softmax of logits / 0.5 over the three largest), tokens
+    outside the top 3 never appear, and the returned log-probs are the logs of those probabilities."""
+    from trainers.agent_loop import logits_processors, sample_tokens
+
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.9, -3.0, 0.1])
+    kept = [0, 3, 1]  # the three largest
+    weights = torch.exp(logits[kept] / 0.5)
+    probs = torch.zeros(6)
+    probs[kept] = weights / weights.sum()
+    n = 20000
+    ids, mask = torch.zeros(n, 2, dtype=torch.long), torch.ones(n, 2, dtype=torch.long)
+    torch.manual_seed(0)
+    sequences, logps = sample_tokens(
+        FixedLogits([logits]), ids, mask, NoCache(), 1, logits_processors(temperature=0.5, top_k=3), True, [5], 5
+    )
+    drawn = sequences[:, 2]
+    freq = torch.bincount(drawn, minlength=6).double() / n
+    se = torch.sqrt(probs.double() * (1 - probs.double()) / n)
+    assert torch.all((freq - probs.double()).abs() <= 5 * se + 1e-12), (freq, probs)
+    assert set(drawn.tolist()) == set(kept)
+    torch.testing.assert_close(logps[:, 0], probs.log()[drawn], atol=1e-5, rtol=0)
+
+
+def test_sampler_stops_when_every_row_has_ended_and_pads_after_the_end():
+    """Greedy rows over scripted logits: step 0 picks 1, step 1 picks the end id 4, step 2 would pick 2. Row ends come
+    at step 1, so the loop stops there (two new ids, not the cap of 5), and a row that ended is continued with pad."""
+    from trainers.agent_loop import logits_processors, sample_tokens
+
+    table = [torch.eye(6)[1] * 5, torch.eye(6)[4] * 5, torch.eye(6)[2] * 5]
+    model = FixedLogits(table)
+    ids, mask = torch.tensor([[0, 3], [3, 3]]), torch.tensor([[0, 1], [1, 1]])
+    sequences, logps = sample_tokens(model, ids, mask, NoCache(), 5, logits_processors(do_sample=False), False, [4], 0)
+    assert sequences.tolist() == [[0, 3, 1, 4], [3, 3, 1, 4]]
+    assert model.fed == [2, 1]  # the prefill, then one decode step; the last sampled id is never fed
+    assert logps.shape == (2, 2)
+    eye = torch.eye(6) * 5
+    model = FixedLogits([eye[[4, 1]], eye[[2, 4]], eye[[2, 2]]])  # row 0 ends at once, row 1 one step later
+    ones = torch.ones(2, 2, dtype=torch.long)
+    sequences, _ = sample_tokens(model, ids, ones, NoCache(), 5, logits_processors(do_sample=False), False, [4], 0)
+    assert sequences.tolist() == [[0, 3, 4, 0], [3, 3, 1, 4]]  # row 0 goes on with pad (0) after its end
+
+
+def test_growing_cache_layer_holds_what_a_dynamic_layer_holds():
+    """The same prefill, decode writes, row selection and crop on `_GrowingLayer` and transformers' `DynamicLayer`
+    leave equal keys and values (the growing layer outgrows its buffer twice on the way)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from trainers.agent_loop import _GrowingLayer
+
+    torch.manual_seed(0)
+    layers = [DynamicLayer(), _GrowingLayer()]
+    writes = [torch.randn(4, 2, 3, 8)] + [torch.randn(4, 2, 1, 8) for _ in range(7)]
+    for w in writes:
+        outs = [layer.update(w, -w) for layer in layers]
+        torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    for layer in layers:
+        layer.batch_select_indices(torch.tensor([2, 0]))
+        layer.crop(-2)
+    assert layers[1].get_seq_length() == layers[0].get_seq_length() == 8
+    torch.testing.assert_close((layers[0].keys, layers[0].values), (layers[1].keys, layers[1].values), atol=0, rtol=0)
+    w = torch.randn(2, 2, 1, 8)
+    torch.testing.assert_close(layers[0].update(w, w), layers[1].update(w, w), atol=0, rtol=0)
+
+
+def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse():
+    """On the shipped tiny shop agent (a trained model, whose outputs depend on positions), over episodes of different
+    lengths (left padding, KV reuse with holes): greedy episodes of the own loop equal those of `model.generate`, and
+    sampled log-probs equal a plain forward pass over each finished episode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from envs.shop import ShopEnv
+    from envs.tiny import SHIPPED
+    from trainers import agent_loop
+
+    folder = next(SHIPPED.glob("tiny-shop-*"))
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    tasks = ShopEnv.make_tasks("eval", 12, seed=0)
+    settings = LoopSettings(max_turn_tokens=16, max_completion_length=200)
+    runs = {}
+    for name in ("own", "generate"):
+        with torch.no_grad():
+            if name == "generate":
+                agent_loop_cache = agent_loop.growing_cache
+                agent_loop.growing_cache = lambda model: None
+            try:
+                runs[name] = play(hf_generate(model, tok, do_sample=False), tok, [ShopEnv() for _ in tasks], tasks,
+                                  settings=settings)  # fmt: skip
+            finally:
+                if name == "generate":
+                    agent_loop.growing_cache = agent_loop_cache
+    assert len({len(r.turn_rewards) for r in runs["own"]}) > 1  # episodes of different lengths
+    for a, b in zip(runs["own"], runs["generate"], strict=True):
+        assert a.completion_ids == b.completion_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    torch.manual_seed(0)
+    sampled = play(hf_generate(model, tok), tok, [ShopEnv() for _ in tasks], tasks, settings=settings)
+    for r in sampled:
+        with torch.no_grad():
+            logits = model(torch.tensor([r.prompt_ids + r.completion_ids])).logits[0, len(r.prompt_ids) - 1 : -1]
+        ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
+        mask = torch.tensor(r.env_mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(r.logprobs)[mask], ref[mask], atol=1e-4, rtol=0)

@@ -9,13 +9,13 @@ import pytest
 
 from bench import record, rollout
 
-LOOPS = ("agent_loop (ours)", "agent_loop, reuse_kv_cache: false", "TRL environment_factory")
-SECONDS = {LOOPS[0]: [2.0, 1.0, 4.0], LOOPS[1]: [4.0, 5.0, 3.0], LOOPS[2]: [8.0, 8.0, 2.0]}
+LOOPS = (rollout.OURS, rollout.GENERATE_ARM, rollout.NO_REUSE, rollout.TRL)
+SECONDS = {LOOPS[0]: [2.0, 1.0, 4.0], LOOPS[1]: [3.0, 3.0, 1.0], LOOPS[2]: [4.0, 5.0, 3.0], LOOPS[3]: [8.0, 8.0, 2.0]}
 
 
 def synthetic_runs() -> list[dict]:
-    """3 repeats x 3 loops x 4 episodes; every episode of a loop has the same turns, tokens and reward."""
-    per_episode = {LOOPS[0]: (3, 30, 1.0), LOOPS[1]: (3, 30, 0.5), LOOPS[2]: (2, 10, 0.0)}
+    """3 repeats x 4 loops x 4 episodes; every episode of a loop has the same turns, tokens and reward."""
+    per_episode = {LOOPS[0]: (3, 30, 1.0), LOOPS[1]: (3, 30, 1.0), LOOPS[2]: (3, 30, 0.5), LOOPS[3]: (2, 10, 0.0)}
     runs = []
     for r in range(3):
         for position, name in enumerate(LOOPS if r % 2 == 0 else LOOPS[::-1]):
@@ -34,9 +34,10 @@ def args() -> Namespace:
 
 def test_rollout_summary_medians_and_ratios():
     summary = rollout.summarise(synthetic_runs(), episodes=4)
-    ours, plain, trl = (summary["loops"][name] for name in LOOPS)
-    # medians: ours 2 s -> 4/2 = 2 episodes/s; no reuse 4 s -> 1; TRL 8 s -> 0.5
+    ours, generate, plain, trl = (summary["loops"][name] for name in LOOPS)
+    # medians: ours 2 s -> 4/2 = 2 episodes/s; through generate 3 s -> 4/3; no reuse 4 s -> 1; TRL 8 s -> 0.5
     assert (ours["episodes_per_s"], plain["episodes_per_s"], trl["episodes_per_s"]) == (2.0, 1.0, 0.5)
+    assert generate["episodes_per_s"] == 4 / 3 and summary["ratio_decode_loop_over_generate"] == 1.5
     assert ours["times_s"] == [2.0, 1.0, 4.0]  # every timed call, in repeat order, not only the median
     assert ours["turns_per_s"] == 6.0 and ours["model_tokens_per_s"] == 60.0  # 2 eps/s x 3 turns, x 30 tokens
     assert (ours["success"], plain["success"], plain["reward"]) == (1.0, 0.0, 0.5)  # success = reward 1.0 only
@@ -54,8 +55,8 @@ def test_write_result_files(tmp_path, monkeypatch):
     result = json.loads(json_path.read_text())
     assert set(result) == {"bench", "command", "settings", "measured", "environment"}
     assert result["bench"] == "rollout" and result["command"] == sys.argv and result["settings"] == {"episodes": 4}
-    assert len(result["measured"]["runs"]) == 9  # 3 repeats x 3 loops, each timing kept
-    assert [run["seconds"] for run in result["measured"]["runs"] if run["loop"] == LOOPS[2]] == SECONDS[LOOPS[2]]
+    assert len(result["measured"]["runs"]) == 12  # 3 repeats x 4 loops, each timing kept
+    assert [run["seconds"] for run in result["measured"]["runs"] if run["loop"] == LOOPS[3]] == SECONDS[LOOPS[3]]
     env = result["environment"]
     assert {"timestamp", "versions", "torch_threads", "platform", "cpu_count"} <= set(env)
     assert {"torch", "transformers", "trl"} <= set(env["versions"]) and env["platform"]["system"]
@@ -69,6 +70,15 @@ def test_write_result_files(tmp_path, monkeypatch):
     assert all(row.count("|") == table[0].count("|") == 9 for row in rows)  # 8 columns
     assert "| 2.0, 1.0, 4.0 |" in rows[0]
     assert "ratio of medians (ours / TRL, episodes/s): 4.00" in lines
+    assert "ratio of medians (own decode loop / transformers generate, episodes/s): 1.50" in lines
+
+
+def test_rollout_report_states_the_ceiling():
+    summary = rollout.summarise(synthetic_runs(), episodes=4)
+    summary |= {"ceiling_tokens_per_s": 400.0, "tokens_per_episode": 50}
+    line = rollout.report(summary, args(), "/cache/m").splitlines()[-1]
+    # ours: 2 episodes/s x 50 tokens = 100 tokens/s, a quarter of the ceiling
+    assert line.endswith("at 100 tokens/s, 25.0% of it") and "400 tokens/s" in line
 
 
 def test_failed_write_leaves_the_old_result_and_no_partial_file(tmp_path, monkeypatch):

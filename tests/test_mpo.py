@@ -10,7 +10,14 @@ import math
 import pytest
 import torch
 
-from tests.test_ppo import capture_audits, capture_batches, check_loss_aggregation, check_tito_audit, logged
+from tests.test_ppo import (
+    AlternatingEcho,
+    capture_audits,
+    capture_batches,
+    check_loss_aggregation,
+    check_tito_audit,
+    logged,
+)
 from tests.test_ppo import make_trainer as make_ppo_trainer
 from trainers.mpo import MPOConfig, MPOTrainer
 
@@ -140,5 +147,8 @@ def test_mpo_config_validation(tmp_path):
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
 def test_mpo_loss_type_aggregates_actor_and_critic(loss_type, tiny_model_folder, tiny_tokenizer, tmp_path):
     # conventions.md C22: MPO's actor (turn ratio 1 before any update) and critic losses under TRL's loss_type
-    trainer = make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path, loss_type=loss_type, max_steps=1)
+    trainer = make_trainer(
+        tiny_model_folder, tiny_tokenizer, tmp_path, loss_type=loss_type, max_steps=1,
+        env_factory=lambda row: AlternatingEcho(),
+    )  # fmt: skip
     check_loss_aggregation(trainer, loss_type)

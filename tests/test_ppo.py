@@ -5,6 +5,7 @@ token GAE over model tokens only (environment tokens skipped) checked against a 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ def make_trainer(folder, tokenizer, tmp_path, trainer_cls=AgentPPOTrainer, confi
         [{"prompt": EchoEnv().reset(t), "task": json.dumps(t), "task_id": t["task_id"]} for t in tasks]
     )
     peft_config = kw.pop("peft_config", None)
+    env_factory = kw.pop("env_factory", lambda row: EchoEnv())
     settings = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -50,7 +52,7 @@ def make_trainer(folder, tokenizer, tmp_path, trainer_cls=AgentPPOTrainer, confi
         args=config_cls(**settings),
         train_dataset=data,
         processing_class=tokenizer,
-        env_factory=lambda row: EchoEnv(),
+        env_factory=env_factory,
         peft_config=peft_config,
     )
 
@@ -300,6 +302,17 @@ def reference_aggregate(x: list, mask: list, loss_type: str, n_tok: float, max_c
     return total / (len(rows) * max_completion_length)  # dr_grpo
 
 
+class AlternatingEcho(EchoEnv):
+    """EchoEnv whose every other instance allows 2 turns instead of 4, so that a batch holds rows of different lengths
+    (with rows of one length the per-row and the per-token means coincide, and loss types cannot be told apart)."""
+
+    made = itertools.count()
+
+    def __init__(self):
+        super().__init__()
+        self.max_turns = 2 if next(AlternatingEcho.made) % 2 else EchoEnv.max_turns
+
+
 def check_loss_aggregation(trainer, loss_type: str) -> None:
     """Train one optimizer step and check the first micro-batch's loss against `reference_aggregate`: before any
     update the ratio is 1 and V = V_old up to round-off, so the actor's per-token loss is -A (no clip binds) and the
@@ -327,11 +340,16 @@ def check_loss_aggregation(trainer, loss_type: str) -> None:
         return agg[0] + a.vf_coef * agg[1]
 
     assert loss.item() == pytest.approx(expected(loss_type), abs=1e-5)
+    # rows of equal lengths make the per-row and the per-token means coincide: the comparison below needs unequal ones
+    assert len({sum(row) for row in mask}) > 1, "the micro-batch's rows have equal lengths (see AlternatingEcho)"
     other = "grpo" if loss_type == "dapo" else "dapo"
     assert abs(loss.item() - expected(other)) > 1e-3
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_loss_type_aggregates_actor_and_critic(loss_type, tiny_model_folder, tiny_tokenizer, tmp_path):
-    trainer = make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path, loss_type=loss_type, max_steps=1)
+    trainer = make_trainer(
+        tiny_model_folder, tiny_tokenizer, tmp_path, loss_type=loss_type, max_steps=1,
+        env_factory=lambda row: AlternatingEcho(),
+    )  # fmt: skip
     check_loss_aggregation(trainer, loss_type)
