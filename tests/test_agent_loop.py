@@ -231,6 +231,8 @@ class FixedLogits(torch.nn.Module):
 
 
 class NoCache:
+    layers = []
+
     def get_seq_length(self):
         return 0
 
@@ -301,7 +303,34 @@ def test_growing_cache_layer_holds_what_a_dynamic_layer_holds():
     torch.testing.assert_close(layers[0].update(w, w), layers[1].update(w, w), atol=0, rtol=0)
 
 
-def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse():
+def test_narrowed_layer_keeps_every_row_written_and_zeros_after_a_row_left():
+    """Rows 0-3 for 3 positions, then rows 1 and 3 only for 2 positions, then row 3 only for 1: after `widen` every
+    row holds what was written for it, in batch order, and zeros where it was no longer decoded."""
+    from trainers.agent_loop import _GrowingLayer
+
+    torch.manual_seed(0)
+    layer = _GrowingLayer()
+    first = torch.randn(4, 2, 3, 8)
+    layer.update(first, first + 1)
+    rows = torch.arange(4)
+    layer.narrow(rows, torch.tensor([1, 3]), 4, capacity=8)
+    second = torch.randn(2, 2, 2, 8)
+    layer.update(second, second + 1)
+    layer.narrow(torch.tensor([1, 3]), torch.tensor([1]), 4, capacity=8)
+    third = torch.randn(1, 2, 1, 8)
+    keys, _ = layer.update(third, third + 1)
+    assert keys.shape == (1, 2, 6, 8)  # only row 3 is computed on
+    layer.widen(torch.tensor([3]))
+    expected = torch.zeros(4, 2, 6, 8)
+    expected[:, :, :3] = first
+    expected[[1, 3], :, 3:5] = second
+    expected[3, :, 5:] = third[0]
+    torch.testing.assert_close(layer.keys, expected, atol=0, rtol=0)
+    torch.testing.assert_close(layer.values[:, :, :3], first + 1, atol=0, rtol=0)
+    assert layer.get_seq_length() == 6 and layer.full is None
+
+
+def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse(monkeypatch):
     """On the shipped tiny shop agent (a trained model, whose outputs depend on positions), over episodes of different
     lengths (left padding, KV reuse with holes): greedy episodes of the own loop equal those of `model.generate`, and
     sampled log-probs equal a plain forward pass over each finished episode."""
@@ -313,6 +342,9 @@ def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse():
 
     folder = next(SHIPPED.glob("tiny-shop-*"))
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    narrowed, real_narrow = [], agent_loop._GrowingLayer.narrow
+    layer_cls = agent_loop._GrowingLayer
+    monkeypatch.setattr(layer_cls, "narrow", lambda self, *a: narrowed.append(1) or real_narrow(self, *a))
     tok = AutoTokenizer.from_pretrained(folder)
     tasks = ShopEnv.make_tasks("eval", 12, seed=0)
     settings = LoopSettings(max_turn_tokens=16, max_completion_length=200)
@@ -329,6 +361,7 @@ def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse():
                 if name == "generate":
                     agent_loop.growing_cache = agent_loop_cache
     assert len({len(r.turn_rewards) for r in runs["own"]}) > 1  # episodes of different lengths
+    assert narrowed  # rows that ended were left out while longer turns finished
     for a, b in zip(runs["own"], runs["generate"], strict=True):
         assert a.completion_ids == b.completion_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
@@ -340,3 +373,50 @@ def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse():
         ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
         mask = torch.tensor(r.env_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(r.logprobs)[mask], ref[mask], atol=1e-4, rtol=0)
+
+
+class ScriptedCacheModel(torch.nn.Module):
+    """A stand-in model with a real cache: every fed id is written into each layer's cache as its own key and value
+    (a float), and row r's next id at step k is `script[r][k]` (the last entry repeats). The rows being decoded are
+    told apart by their first context id, which is the row's number."""
+
+    def __init__(self, script, vocab):
+        super().__init__()
+        self.script, self.vocab, self.step, self.batch_sizes = script, vocab, 0, []
+
+    def forward(self, input_ids, attention_mask, position_ids, cache, use_cache, logits_to_keep):
+        written = input_ids.float()[:, None, :, None].expand(-1, 1, -1, 2)
+        for layer in cache.layers:
+            layer.update(written, written)
+        rows = cache.layers[0].keys[:, 0, 0, 0].long().tolist()
+        self.batch_sizes.append(len(rows))
+        nxt = [self.script[r][min(self.step, len(self.script[r]) - 1)] for r in rows]
+        self.step += 1
+        return type("Out", (), {"logits": torch.eye(self.vocab)[nxt][:, None, :] * 9})()
+
+
+def test_rows_leave_the_batch_only_after_their_end_id_is_written():
+    """Rows 0 and 1 end at step 0, row 2 at step 1, row 3 at step 4 (end id 9). At step 1 half the rows have ended
+    and had their end id fed, so the batch narrows, but row 2, which ends at that very step, stays one step more so
+    that its end id is written; row 3 goes on alone. After the call every row's cache holds its context and each id it
+    keeps (up to and including its end id), then zeros; the cache spans S + t - 1 positions."""
+    from trainers.agent_loop import _GrowingLayer, logits_processors, sample_tokens
+
+    script = [[9], [9], [5, 9], [6, 7, 8, 6, 9]]
+    model = ScriptedCacheModel(script, vocab=10)
+    ids = torch.tensor([[0, 4, 4], [1, 4, 4], [2, 4, 4], [3, 4, 4]])
+    cache = type("Cache", (), {"layers": [_GrowingLayer(), _GrowingLayer()], "get_seq_length": lambda self: 0})()
+    sequences, _ = sample_tokens(model, ids, torch.ones_like(ids), cache, 8, logits_processors(do_sample=False),
+                                 False, [9], 0)  # fmt: skip
+    assert sequences[:, 3:].tolist() == [[9, 0, 0, 0, 0], [9, 0, 0, 0, 0], [5, 9, 0, 0, 0], [6, 7, 8, 6, 9]]
+    assert model.batch_sizes == [4, 4, 2, 1, 1]  # rows 0 and 1 leave after step 1, row 2 after step 2
+    expected = torch.zeros(4, 7)
+    expected[:, :3] = ids
+    expected[0, 3], expected[1, 3], expected[2, 3:5], expected[3, 3:7] = (
+        9,
+        9,
+        torch.tensor([5, 9]),
+        torch.tensor([6, 7, 8, 6]),
+    )
+    for layer in cache.layers:
+        torch.testing.assert_close(layer.keys[:, 0, :, 0], expected, atol=0, rtol=0)

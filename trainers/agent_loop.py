@@ -410,13 +410,18 @@ def sample_tokens(
     first `cache.get_seq_length()` positions are already in `cache` (a `growing_cache`, updated in place).
 
     Returns (sequences (N, S + t), log-probs (N, t)): the log-probs of the sampled ids under the processed
-    distribution. A row that has produced an id in `eos` is continued with `pad` (and mask 1, as `generate` does) until
-    every row has, or `t` reaches `max_new_tokens`. Position ids are the mask's running count, as `generate` derives
-    them, so a cached row keeps the positions it was cached at.
+    distribution. A row that has produced an id in `eos` is continued with `pad` until every row has, or `t` reaches
+    `max_new_tokens`; the cache then holds S + t - 1 positions per row (the last sampled id is never fed), as after
+    `generate`. Position ids are the mask's running count, as `generate` derives them, so a cached row keeps the
+    positions it was cached at.
 
-    This is `generate`'s sampling loop reduced to what the agent loop uses; the samples come from the processed
-    probabilities by inverting their running sum at one uniform draw per row (`torch.multinomial` draws an
-    exponential variate per vocabulary entry: 1.7 ms of a 10 ms decode step of the tiny default, batch 64).
+    This is `generate`'s sampling loop reduced to what the agent loop uses, with two savings:
+    - the samples come from the processed probabilities by inverting their running sum at one uniform draw per row
+      (`torch.multinomial` draws an exponential variate per vocabulary entry: 1.7 ms of a 10 ms decode step of the
+      tiny default, batch 64);
+    - once half the rows being decoded have ended (and their end id has been fed), the others go on as a smaller
+      batch (`_GrowingLayer.narrow`): a turn's short actions stop costing compute while its long ones finish. The
+      rows left out keep zeros in their later cache positions, which the next turn masks (`_PrefixCache`).
     """
     n = ids.shape[0]
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
@@ -424,7 +429,10 @@ def sample_tokens(
     step_ids, step_positions = ids[:, fed:], positions[:, fed:]
     eos_ids = torch.tensor(eos, device=ids.device)
     finished = torch.zeros(n, dtype=torch.bool, device=ids.device)
-    sequences, logps = ids, []
+    rows = torch.arange(n, device=ids.device)  # the rows being decoded, in the order of the cache's batch
+    capacity = ids.shape[1] + max_new_tokens
+    sampled, logps = [], []
+    sequences = ids
     with torch.no_grad():
         for t in range(max_new_tokens):
             logits = model(
@@ -435,21 +443,32 @@ def sample_tokens(
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-            logp = torch.log_softmax(processors(sequences, logits.float()), dim=-1)  # (N, V)
+            logp = torch.log_softmax(processors(sequences[rows], logits.float()), dim=-1)  # (rows, V)
             if do_sample:
                 running = logp.exp().cumsum(-1)
-                draw = torch.rand(n, 1, device=ids.device) * running[:, -1:]
+                draw = torch.rand(len(rows), 1, device=ids.device) * running[:, -1:]
                 token = torch.searchsorted(running, draw, right=True).clamp(max=logp.shape[1] - 1)[:, 0]
             else:
                 token = logp.argmax(-1)
-            logps.append(logp.gather(-1, token[:, None])[:, 0])
-            token = token.masked_fill(finished, pad)
-            finished |= torch.isin(token, eos_ids)
-            sequences = torch.cat([sequences, token[:, None]], 1)
+            ended = finished[rows]  # rows whose end id was fed in this step's forward
+            token = token.masked_fill(ended, pad)
+            row_tokens = torch.full((n,), pad, dtype=token.dtype, device=ids.device).index_copy(0, rows, token)
+            row_logps = torch.zeros(n, device=ids.device).index_copy(0, rows, logp.gather(-1, token[:, None])[:, 0])
+            sampled.append(row_tokens)
+            logps.append(row_logps)
+            finished |= torch.isin(row_tokens, eos_ids)
+            sequences = torch.cat([sequences, row_tokens[:, None]], 1)
             if bool(finished.all()) or t + 1 == max_new_tokens:
                 break
-            mask = torch.cat([mask, mask.new_ones(n, 1)], 1)
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
             step_ids, step_positions = token[:, None], step_positions[:, -1:] + 1
+            if int(ended.sum()) * 2 >= len(rows):
+                keep = (~ended).nonzero()[:, 0]
+                for layer in cache.layers:
+                    layer.narrow(rows, keep, n, capacity)
+                rows, mask, step_ids, step_positions = rows[keep], mask[keep], step_ids[keep], step_positions[keep]
+    for layer in cache.layers:
+        layer.widen(rows)
     return sequences, torch.stack(logps, 1)
 
 
@@ -462,6 +481,7 @@ class _GrowingLayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         self.key_buffer = self.value_buffer = None
         self.length = 0
+        self.full = None  # (keys, values) of the whole batch while `narrow`ed
 
     def _views(self) -> None:
         self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
@@ -482,6 +502,34 @@ class _GrowingLayer(DynamicLayer):
         self.length = n + q
         self._views()
         return self.keys, self.values
+
+    def narrow(self, rows: torch.Tensor, keep: torch.Tensor, n: int, capacity: int) -> None:
+        """Go on with the rows `rows[keep]` only (`rows` (W,): the batch rows this layer's buffers hold, in order, out
+        of `n`). The whole batch is kept aside, zeros after each row's written positions, with room for `capacity`."""
+        if self.full is None:
+            k, v = self.key_buffer, self.value_buffer
+            self.full = [
+                k.new_zeros((n, k.shape[1], capacity, k.shape[3])),
+                v.new_zeros((n, v.shape[1], capacity, v.shape[3])),
+            ]
+            self.synced = 0
+        self._write_back(rows)
+        self.key_buffer, self.value_buffer = self.full[0][rows[keep]], self.full[1][rows[keep]]
+        self._views()
+
+    def widen(self, rows: torch.Tensor) -> None:
+        """After `narrow`: the whole batch again, the rows `rows` with everything written since."""
+        if self.full is not None:
+            self._write_back(rows)
+            self.key_buffer, self.value_buffer = self.full
+            self.full = None
+            self._views()
+
+    def _write_back(self, rows: torch.Tensor) -> None:
+        span = slice(self.synced, self.length)
+        self.full[0][rows, :, span] = self.key_buffer[:, :, span]
+        self.full[1][rows, :, span] = self.value_buffer[:, :, span]
+        self.synced = self.length
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0 and self.is_initialized and self.length:
