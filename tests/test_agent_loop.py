@@ -1,5 +1,6 @@
 """Rollout contracts of trainers/agent_loop.py: TITO, masks, turn ids, budgets, errors, batching."""
 
+import pytest
 import torch
 from conftest import EchoEnv
 
@@ -279,6 +280,8 @@ def test_sampler_stops_when_every_row_has_ended_and_pads_after_the_end():
     ones = torch.ones(2, 2, dtype=torch.long)
     sequences, _ = sample_tokens(model, ids, ones, NoCache(), 5, logits_processors(do_sample=False), False, [4], 0)
     assert sequences.tolist() == [[0, 3, 4, 0], [3, 3, 1, 4]]  # row 0 goes on with pad (0) after its end
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sample_tokens(model, ids, ones, NoCache(), 0, logits_processors(), False, [4], 0)
 
 
 def test_growing_cache_layer_holds_what_a_dynamic_layer_holds():

@@ -423,6 +423,8 @@ def sample_tokens(
       batch (`_GrowingLayer.narrow`): a turn's short actions stop costing compute while its long ones finish. The
       rows left out keep zeros in their later cache positions, which the next turn masks (`_PrefixCache`).
     """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     n = ids.shape[0]
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     fed = cache.get_seq_length()
