@@ -423,3 +423,27 @@ def test_rows_leave_the_batch_only_after_their_end_id_is_written():
     )
     for layer in cache.layers:
         torch.testing.assert_close(layer.keys[:, 0, :, 0], expected, atol=0, rtol=0)
+
+
+def test_a_model_sharded_over_processes_is_sampled_by_generate(tiny_tokenizer, tiny_model_folder, monkeypatch):
+    """Under ZeRO-3 (or FSDP) with several processes every forward is a collective, so sampling goes to `generate`,
+    which keeps the processes' decode steps in step; one process, or no sharding, keeps the own decode loop."""
+    import transformers.integrations.deepspeed as deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from trainers import agent_loop
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
+    calls, real_generate = [], model.generate
+    unsynced = lambda *a, **k: calls.append(1) or real_generate(*a, synced_gpus=False, **k)  # noqa: E731
+    monkeypatch.setattr(model, "generate", unsynced)
+    context = [tiny_tokenizer("say apple", add_special_tokens=False)["input_ids"]]
+    monkeypatch.setattr(deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+    assert not agent_loop.sharded_across_processes(model)  # ZeRO-3 on one process: nothing to keep in step
+    hf_generate(model, tiny_tokenizer, do_sample=False)(context, 3)
+    assert not calls
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert agent_loop.sharded_across_processes(model)
+    hf_generate(model, tiny_tokenizer, do_sample=False)(context, 3)
+    assert calls

@@ -294,8 +294,9 @@ def hf_generate(
 
     Decoder-only models whose cache is a plain per-position cache (full attention, the common case) are sampled by
     `sample_tokens`, a decode loop over the model's forward with transformers' own logits processors; any other model
-    (sliding-window or linear-attention layers) and route recording go through `model.generate`. Greedy episodes are
-    the same either way (tests/test_agent_loop.py).
+    (sliding-window or linear-attention layers), a model sharded over processes (ZeRO-3, FSDP: `generate` keeps their
+    decode steps in step) and route recording go through `model.generate`. Greedy episodes are the same either way
+    (tests/test_agent_loop.py).
 
     With `record_routes` (an MoE model), each call records every router's top-k expert ids with forward hooks
     (`RouteRecorder`, routing-replay.md D1) and returns triples (ids, log-probs, routes), routes (len(context) +
@@ -310,7 +311,7 @@ def hf_generate(
         from trainers.routing_replay import RouteRecorder, split_generate_routes
 
     eos = eos_token_ids or [tokenizer.eos_token_id]
-    own_loop = not record_routes and growing_cache(model) is not None
+    own_loop = not record_routes and not sharded_across_processes(model) and growing_cache(model) is not None
     processors = logits_processors(temperature, top_k, top_p, min_p, repetition_penalty, do_sample)
     prefix = _PrefixCache() if reuse_cache and not record_routes else None
 
@@ -550,6 +551,18 @@ class _GrowingLayer(DynamicLayer):
         if self.get_seq_length() > 0:
             self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
             self._views()
+
+
+def sharded_across_processes(model) -> bool:
+    """Whether `model`'s weights are sharded over several processes (DeepSpeed ZeRO-3 or FSDP), so that every forward
+    is a collective: `generate` then keeps the processes' decode steps in step (`synced_gpus`), and the agent loop
+    leaves sampling to it. The test is the one `generate` makes."""
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    several = torch.distributed.is_available() and torch.distributed.is_initialized()
+    several = several and torch.distributed.get_world_size() > 1
+    return several and (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))
 
 
 def growing_cache(model):
