@@ -416,7 +416,8 @@ def sample_tokens(
     `generate`. Position ids are the mask's running count, as `generate` derives them, so a cached row keeps the
     positions it was cached at.
 
-    This is `generate`'s sampling loop reduced to what the agent loop uses, with two savings:
+    This is `generate`'s sampling loop reduced to what the agent loop uses (docs/methods/grpo.md D11), with two
+    savings:
     - the samples come from the processed probabilities by inverting their running sum at one uniform draw per row
       (`torch.multinomial` draws an exponential variate per vocabulary entry: 1.7 ms of a 10 ms decode step of the
       tiny default, batch 64);
