@@ -285,8 +285,8 @@ def test_sampler_stops_when_every_row_has_ended_and_pads_after_the_end():
 
 
 def test_growing_cache_layer_holds_what_a_dynamic_layer_holds():
-    """The same prefill, decode writes, row selection and crop on `_GrowingLayer` and transformers' `DynamicLayer`
-    leave equal keys and values (the growing layer outgrows its buffer twice on the way)."""
+    """The same prefill, decode writes, row selection, crop and row repetition on `_GrowingLayer` and transformers'
+    `DynamicLayer` leave equal keys and values (the growing layer outgrows its buffer twice on the way)."""
     from transformers.cache_utils import DynamicLayer
 
     from trainers.agent_loop import _GrowingLayer
@@ -303,6 +303,10 @@ def test_growing_cache_layer_holds_what_a_dynamic_layer_holds():
     assert layers[1].get_seq_length() == layers[0].get_seq_length() == 8
     torch.testing.assert_close((layers[0].keys, layers[0].values), (layers[1].keys, layers[1].values), atol=0, rtol=0)
     w = torch.randn(2, 2, 1, 8)
+    torch.testing.assert_close(layers[0].update(w, w), layers[1].update(w, w), atol=0, rtol=0)
+    for layer in layers:
+        layer.batch_repeat_interleave(2)
+    w = torch.randn(4, 2, 1, 8)
     torch.testing.assert_close(layers[0].update(w, w), layers[1].update(w, w), atol=0, rtol=0)
 
 

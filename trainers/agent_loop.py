@@ -346,8 +346,7 @@ def hf_generate(
                 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **extra)
             sequences, cache = out.sequences, getattr(out, "cache", None)
             scores = torch.stack(out.scores, dim=1).float()  # (N, t, V)
-            new = sequences[:, width:]
-            logps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (N, t)
+            logps = torch.log_softmax(scores, dim=-1).gather(-1, sequences[:, width:, None]).squeeze(-1)  # (N, t)
         new = sequences[:, width:]  # (N, t)
         results, kept = [], []
         for row_ids, row_logps in zip(new.tolist(), logps.tolist(), strict=True):
