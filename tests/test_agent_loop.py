@@ -339,8 +339,8 @@ def test_narrowed_layer_keeps_every_row_written_and_zeros_after_a_row_left():
 
 def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse(monkeypatch):
     """On the shipped tiny shop agent (a trained model, whose outputs depend on positions), over episodes of different
-    lengths (left padding, KV reuse with holes): greedy episodes of the own loop equal those of `model.generate`, and
-    sampled log-probs equal a plain forward pass over each finished episode."""
+    lengths (left padding, KV reuse with holes): greedy episodes of the own loop equal those of `model.generate`, with
+    and without a repetition penalty, and sampled log-probs equal a plain forward pass over each finished episode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from envs.shop import ShopEnv
@@ -355,23 +355,19 @@ def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse(monke
     tok = AutoTokenizer.from_pretrained(folder)
     tasks = ShopEnv.make_tasks("eval", 12, seed=0)
     settings = LoopSettings(max_turn_tokens=16, max_completion_length=200)
-    runs = {}
-    for name in ("own", "generate"):
-        with torch.no_grad():
-            if name == "generate":
-                agent_loop_cache = agent_loop.growing_cache
-                agent_loop.growing_cache = lambda model: None
-            try:
-                runs[name] = play(hf_generate(model, tok, do_sample=False), tok, [ShopEnv() for _ in tasks], tasks,
-                                  settings=settings)  # fmt: skip
-            finally:
-                if name == "generate":
-                    agent_loop.growing_cache = agent_loop_cache
-    assert len({len(r.turn_rewards) for r in runs["own"]}) > 1  # episodes of different lengths
-    assert narrowed  # rows that ended were left out while longer turns finished
-    for a, b in zip(runs["own"], runs["generate"], strict=True):
-        assert a.completion_ids == b.completion_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    own_cache = agent_loop.growing_cache
+    for penalty in (1.0, 1.5):  # with a repetition penalty the processors read each decoded row's history
+        runs = {}
+        for name in ("own", "generate"):
+            monkeypatch.setattr(agent_loop, "growing_cache", own_cache if name == "own" else lambda model: None)
+            gen = hf_generate(model, tok, do_sample=False, repetition_penalty=penalty)
+            runs[name] = play(gen, tok, [ShopEnv() for _ in tasks], tasks, settings=settings)
+        assert len({len(r.turn_rewards) for r in runs["own"]}) > 1  # episodes of different lengths
+        assert narrowed  # rows that ended were left out while longer turns finished
+        for a, b in zip(runs["own"], runs["generate"], strict=True):
+            assert a.completion_ids == b.completion_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    monkeypatch.setattr(agent_loop, "growing_cache", own_cache)
     torch.manual_seed(0)
     sampled = play(hf_generate(model, tok), tok, [ShopEnv() for _ in tasks], tasks, settings=settings)
     for r in sampled:

@@ -446,7 +446,8 @@ def sample_tokens(
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-            logp = torch.log_softmax(processors(sequences[rows], logits.float()), dim=-1)  # (rows, V)
+            history = sequences if len(rows) == n else sequences[rows]  # what a repetition penalty reads
+            logp = torch.log_softmax(processors(history, logits.float()), dim=-1)  # (rows, V)
             if do_sample:
                 running = logp.exp().cumsum(-1)
                 draw = torch.rand(len(rows), 1, device=ids.device) * running[:, -1:]
