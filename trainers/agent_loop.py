@@ -434,8 +434,7 @@ def sample_tokens(
     finished = torch.zeros(n, dtype=torch.bool, device=ids.device)
     rows = torch.arange(n, device=ids.device)  # the rows being decoded, in the order of the cache's batch
     capacity = ids.shape[1] + max_new_tokens
-    sampled, logps = [], []
-    sequences = ids
+    logps, sequences = [], ids
     with torch.no_grad():
         for t in range(max_new_tokens):
             logits = model(
@@ -458,7 +457,6 @@ def sample_tokens(
             token = token.masked_fill(ended, pad)
             row_tokens = torch.full((n,), pad, dtype=token.dtype, device=ids.device).index_copy(0, rows, token)
             row_logps = torch.zeros(n, device=ids.device).index_copy(0, rows, logp.gather(-1, token[:, None])[:, 0])
-            sampled.append(row_tokens)
             logps.append(row_logps)
             finished |= torch.isin(row_tokens, eos_ids)
             sequences = torch.cat([sequences, row_tokens[:, None]], 1)
@@ -486,6 +484,7 @@ class _GrowingLayer(DynamicLayer):
         self.key_buffer = self.value_buffer = None
         self.length = 0
         self.full = None  # (keys, values) of the whole batch while `narrow`ed
+        self.synced = 0  # positions [0, synced) of the decoded rows are in `full`
 
     def _views(self) -> None:
         self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
@@ -516,7 +515,7 @@ class _GrowingLayer(DynamicLayer):
                 k.new_zeros((n, k.shape[1], capacity, k.shape[3])),
                 v.new_zeros((n, v.shape[1], capacity, v.shape[3])),
             ]
-            self.synced = 0
+            self.synced = 0  # nothing written back yet
         self._write_back(rows)
         self.key_buffer, self.value_buffer = self.full[0][rows[keep]], self.full[1][rows[keep]]
         self._views()
