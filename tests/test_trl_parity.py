@@ -234,3 +234,101 @@ def test_trl_names_the_critic_trainers_read(tiny_model_folder, tmp_path):
     n_tok = dapo_token_count(out["num_items_in_batch"], num_processes=1, steps_per_generation=2, training=True)
     expected = masked_token_mean(-adv, mask, n_tok) / 2  # what AgentPPOTrainer.policy_loss does with the actor term
     torch.testing.assert_close(stock.compute_loss(stock.model, out), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_head_scores_only_labelled_positions_on_cpu(tiny_model_folder, monkeypatch):
+    """docs/methods/grpo.md D12: on CPU TRL's fused head projects only positions with a label (trainers/base.py turns
+    its compact path on), and its log-probs equal a log-softmax over the plain model's logits there, 0 elsewhere."""
+    import trl.trainer.utils as trl_utils
+    from transformers import AutoModelForCausalLM
+
+    import trainers.base  # noqa: F401  (the switch is made on import)
+
+    fused = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
+    trl_utils.add_fused_lm_head(fused)
+    rows = []
+    apply = trl_utils._ChunkedLogProbFunction.apply
+
+    def counted(hidden, *args):
+        rows.append(hidden.size(0))
+        return apply(hidden, *args)
+
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", counted)
+    torch.manual_seed(0)
+    ids = torch.randint(5, 300, (2, 10))
+    labels = ids.clone()
+    labels[0, :6] = -100  # row 0: positions 6-9 labelled
+    labels[1, [0, 1, 4, 5]] = -100  # row 1: positions 2, 3, 6-9 labelled
+    with torch.no_grad():
+        out = fused(input_ids=ids, labels=labels, fused_lm_head=True)
+        logits = plain(input_ids=ids).logits
+    assert rows == [4 + 6]  # labelled positions after the first (position 0 predicts nothing)
+    expected = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    scored = labels[:, 1:] != -100
+    torch.testing.assert_close(out.log_probs[scored], expected[scored], rtol=1e-5, atol=1e-5)
+    assert (out.log_probs[~scored] == 0).all()
+
+
+def test_loss_scores_only_model_tokens(tiny_model_folder, tmp_path, monkeypatch):
+    """docs/methods/grpo.md D12: the loss's log-prob forward scores the loss mask's positions only (no environment
+    token, no padding, no prompt), and gives the same loss and gradient as TRL's forward over every position; the old
+    log-probs are 0 off the mask like the loss's own."""
+    import trl.trainer.utils as trl_utils
+
+    two, three = {"words": ["apple", "river"]}, {"words": ["apple", "river", "stone"]}  # 2 and 3 turns: padding
+    data = Dataset.from_list([{"prompt": "say apple", "task": t} for t in [two] * 4 + [three] * 4])
+    args = AgentGRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        steps_per_generation=2,  # off-policy: TRL runs the old-log-prob pass
+        num_generations=4,
+        max_completion_length=64,
+        max_turn_tokens=3,
+        **CPU_ARGS,
+    )
+    trainer = AgentGRPOTrainer(
+        model=tiny_model_folder, train_dataset=data, args=args, env_factory=lambda row: EchoEnv()
+    )
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions([dict(r) for r in data])
+    mask = out["completion_mask"] * out["tool_mask"]  # (B, T)
+    assert (out["tool_mask"] == 0).any() and (out["completion_mask"] == 0).any()  # observations and padding
+    assert (out["old_per_token_logps"][mask == 0] == 0).all()
+    assert (out["old_per_token_logps"][mask == 1] != 0).all()
+    batch = {k: v[:4] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in out.items()}
+    batch["advantages"] = torch.linspace(-1.0, 1.0, 4).unsqueeze(1) * batch["completion_mask"]  # a signal everywhere
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 2
+
+    rows = []
+    apply = trl_utils._ChunkedLogProbFunction.apply
+
+    def counted(hidden, *rest):
+        rows.append(hidden.size(0))
+        return apply(hidden, *rest)
+
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", counted)
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    assert rows == [int(mask[:4].sum())]
+    rows.clear()
+    everywhere = GRPOTrainer._compute_loss(trainer, model, batch)  # TRL's forward: every attended position
+    everywhere.backward()
+    assert rows == [int(batch["completion_mask"].sum())]
+    torch.testing.assert_close(loss, everywhere, rtol=1e-6, atol=1e-7)
+    for g, p in zip(grads, [p for p in model.parameters() if p.grad is not None], strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in grads)
+    with torch.no_grad():
+        logps, _, _ = trainer.forward_logps(model, batch)
+        full, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].size(1),
+        )  # fmt: skip
+    on = mask[:4].bool()
+    assert (logps[~on] == 0).all() and (full[~on & batch["completion_mask"].bool()] != 0).all()
+    torch.testing.assert_close(logps[on], full[on], rtol=1e-5, atol=1e-6)

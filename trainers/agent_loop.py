@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import queue
 import threading
 import time
@@ -170,6 +171,7 @@ def play(
     settings = settings or LoopSettings()
     eos_id = tokenizer.eos_token_id
     rollouts, turns, last_obs = [], [], []  # last_obs: the observation before each env's next turn (state keys)
+    prompt_ids: dict[str, list[int]] = {}  # a group's G episodes share their prompt: rendered once per call
     for i, (env, task) in enumerate(zip(envs, tasks, strict=True)):
         first = env.reset(task)
         if isinstance(first, list):  # a conversation so far (e.g. a replayed prefix): it is the whole prompt
@@ -183,9 +185,18 @@ def play(
                 user[-1]["content"] = first
             else:
                 messages.append({"role": "user", "content": first})
+        try:
+            key = json.dumps([messages, env.tools], sort_keys=True)
+        except TypeError:  # content that is not plain text (e.g. images): rendered every time
+            key = None
+        ids = prompt_ids.get(key) if key is not None else None
+        if ids is None:
+            ids = render_prompt_ids(tokenizer, messages, env.tools)
+            if key is not None:
+                prompt_ids[key] = ids
         rollouts.append(
             Rollout(
-                prompt_ids=render_prompt_ids(tokenizer, messages, env.tools),
+                prompt_ids=list(ids),
                 prompt_messages=messages,
                 prompt_tools=env.tools,
             )

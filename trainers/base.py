@@ -50,6 +50,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 
 import torch
+import trl.trainer.utils as trl_utils
 from accelerate.utils import gather, gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
@@ -62,6 +63,59 @@ from trainers.alarm import CollapseAlarm
 from trainers.routing_replay import RoutingReplay
 
 logger = logging.getLogger(__name__)
+
+
+def _score_labelled_positions_on_cpu() -> None:
+    """Let TRL's fused log-prob head score only the positions that have a label on CPU, as it does where Triton runs.
+
+    `trl.trainer.utils.add_fused_lm_head` asks `_use_triton(device)` whether to project only the labelled positions
+    through the LM head: elsewhere it scores every position, so that the tile shapes stay fixed on backends that
+    compile per shape. A CPU compiles nothing, so there the compact path does the same arithmetic on fewer rows. The
+    kernel's own choice of Triton or torch tiles is a separate lookup in `trl.kernels.chunked_logprob` and stays as it
+    was (docs/methods/grpo.md D12)."""
+    on_kernel_device = trl_utils._use_triton
+    if getattr(on_kernel_device, "scores_labelled_on_cpu", False):
+        return
+
+    def use_compact_path(device: torch.device) -> bool:
+        return device.type == "cpu" or on_kernel_device(device)
+
+    use_compact_path.scores_labelled_on_cpu = True
+    trl_utils._use_triton = use_compact_path
+
+
+_score_labelled_positions_on_cpu()
+
+
+class _ScoredLabels(AbstractContextManager):
+    """While open, each fused-head call of `model` (TRL's `model(..., labels=labels, fused_lm_head=True)`) gets label
+    -100 on the completion positions where `scored` (B, T) is 0, so the head projects only the model's own tokens and
+    returns log-prob 0 elsewhere (docs/methods/grpo.md D12). TRL's forward may split the B rows into chunks; they come
+    in order, and the rows consumed so far are counted so each chunk gets its own rows."""
+
+    def __init__(self, model: torch.nn.Module, scored: torch.Tensor):
+        self.model, self.scored, self.row = model, scored, 0
+
+    def __enter__(self):
+        self.handle = self.model.register_forward_pre_hook(self._relabel, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def _relabel(self, module, args, kwargs):
+        labels = kwargs.get("labels")
+        if labels is None or not kwargs.get("fused_lm_head"):
+            return None
+        rows = self.scored[self.row : self.row + labels.size(0)]  # (b, T)
+        if rows.size(0) != labels.size(0):
+            raise RuntimeError(f"the forward scored more rows than the {self.scored.size(0)} the loss mask covers")
+        self.row += labels.size(0)
+        T = rows.size(1)
+        completion = labels[:, -T:].masked_fill(rows.to(labels.device) == 0, -100)
+        kwargs["labels"] = torch.cat([labels[:, :-T], completion], dim=1)
+        return args, kwargs
+
 
 REWARDS = ("env", "binary", "assertion_count")
 SCHEDULERS = ("uniform", "envsched")
@@ -347,6 +401,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             reward_funcs = reward_funcs if reward_funcs is not None else [reward_function(args)]
         self.env_factory = env_factory
         self._rows: list[dict] = []
+        self._scored_next: torch.Tensor | None = None  # the loss mask of the next log-prob forward (D12)
         self.task_scheduler = None
         if args.scheduler == "envsched":  # envsched.md: built before TRL's init, which builds no sampler yet
             train_dataset = self._attach_scheduler(args, train_dataset)
@@ -441,8 +496,13 @@ class AgentGRPOTrainer(GRPOTrainer):
 
     # Hook 2: the policy loss
     def policy_loss(self, model, inputs: dict) -> torch.Tensor:
-        """Scalar loss for one micro-batch. Default: TRL's own GRPO loss (ratio, clipping, KL, aggregation)."""
-        return GRPOTrainer._compute_loss(self, model, inputs)
+        """Scalar loss for one micro-batch. Default: TRL's own GRPO loss (ratio, clipping, KL, aggregation), its
+        log-probs scored on the model's tokens only (docs/methods/grpo.md D12)."""
+        self._scored_next = self.loss_mask(inputs)  # read by the one log-prob forward TRL's loss makes
+        try:
+            return GRPOTrainer._compute_loss(self, model, inputs)
+        finally:
+            self._scored_next = None
 
     # ----------------------------------------------------------------------------------------------------------------
     # Helpers for subclasses
@@ -459,14 +519,18 @@ class AgentGRPOTrainer(GRPOTrainer):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        return self._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            completion_ids.size(1),
-            compute_entropy=compute_entropy,
-            compute_aux_loss=self.aux_loss_enabled,
-        )
+        self._scored_next = self.loss_mask(inputs)  # log-prob 0 off the model's tokens (docs/methods/grpo.md D12)
+        try:
+            return self._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                completion_ids.size(1),
+                compute_entropy=compute_entropy,
+                compute_aux_loss=self.aux_loss_enabled,
+            )
+        finally:
+            self._scored_next = None
 
     def loss_mask(self, inputs: dict) -> torch.Tensor:
         """(B, T) model tokens of the micro-batch: `completion_mask * tool_mask`, as TRL forms it."""
@@ -513,10 +577,20 @@ class AgentGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **multimodal,
     ):
-        """TRL's log-prob forward, wrapped in `replay_routes` (routing-replay.md Eq. 3) for the policy's own passes."""
+        """TRL's log-prob forward, wrapped in `replay_routes` (routing-replay.md Eq. 3) for the policy's own passes.
+        Inside `policy_loss` and `forward_logps` it scores only the loss mask's positions (grpo.md D12)."""
         forward = super()._get_per_token_logps_and_entropies
         settings = (logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal)
-        return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
+        scored, self._scored_next = self._scored_next, None  # one forward: the loss's own
+        if scored is None:
+            return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
+        if scored.shape != (input_ids.size(0), logits_to_keep):
+            raise RuntimeError(
+                f"loss mask {tuple(scored.shape)} does not cover the forward's completion "
+                f"({input_ids.size(0)}, {logits_to_keep})"
+            )
+        with _ScoredLabels(model, scored):
+            return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
 
     def _generate_and_score_completions(self, inputs):
         self._rows = inputs  # agent_loop.trainer_rollouts reads the task of each row from here
@@ -524,6 +598,10 @@ class AgentGRPOTrainer(GRPOTrainer):
             out = super()._generate_and_score_completions(inputs)
             self.routing_replay.add_routes(out)  # out["routing"] (B, S, L, k), batch-first (routing-replay.md D4)
         self.routing_replay.log_batch_metrics(out)  # routing-replay.md Eq. 8, Eq. 10
+        scored = out["completion_mask"] * out["tool_mask"] if out.get("tool_mask") is not None else None
+        for key in ("old_per_token_logps", "ref_per_token_logps"):  # 0 off the model's tokens, like the loss's (D12)
+            if scored is not None and out.get(key) is not None:
+                out[key] = out[key] * scored
         batch = self._rollout_batch(inputs, out)
         if self.task_scheduler is not None and self.model.training:
             self._update_scheduler(inputs, batch)
