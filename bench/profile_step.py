@@ -11,8 +11,8 @@ wrapped by timers that keep exclusive time (a region's time minus the regions ti
 - generation: the model's `generate` calls in the agent loop (prefill and decode);
 - environment: `step_all` (every environment's `step` of a turn);
 - agent loop, other: the rest of an episode batch (tokenising observations, bookkeeping, padding);
-- no-grad forwards: TRL's log-prob forwards outside the loss (old or reference log-probs, a critic's values, teacher
-  passes);
+- no-grad forwards: TRL's log-prob forwards outside the loss (old or reference log-probs, a value head's values,
+  teacher passes) and a separate critic's forwards without gradient (`critic_values`);
 - rewards: `_calculate_rewards`; advantages: `compute_advantages` (the method's own math);
 - loss forward: `policy_loss` (the actor's, and a critic's, forward and loss); backward: `accelerator.backward`;
 - optimizer: `optimizer.step` (clipping excluded);
@@ -106,6 +106,16 @@ def instrument(trainer, prof: Profiler) -> None:
             inside_loss["on"] = False
 
     trainer._get_per_token_logps_and_entropies = logps
+    if hasattr(trainer, "critic_values"):  # a separate critic's forward (PPO/MPO with critic_model_name_or_path)
+        values = trainer.critic_values
+
+        def critic_values(*args, **kwargs):
+            if torch.is_grad_enabled():  # the critic's loss: inside "loss forward"
+                return values(*args, **kwargs)
+            with prof.region("no-grad forwards"):
+                return values(*args, **kwargs)
+
+        trainer.critic_values = critic_values
     trainer.policy_loss = loss
     trainer._calculate_rewards = prof.wrap("rewards", trainer._calculate_rewards)
     trainer.compute_advantages = prof.wrap("advantages", trainer.compute_advantages)

@@ -512,14 +512,16 @@ class AgentGRPOTrainer(GRPOTrainer):
             return n
         return int(self.accelerator.reduce(torch.tensor(n, device=self.accelerator.device), reduction="sum").item())
 
-    def forward_logps(self, model, inputs: dict, compute_entropy: bool = False):
+    def forward_logps(self, model, inputs: dict, compute_entropy: bool = False, scored: torch.Tensor | None = None):
         """Per-token log-probs (B, T), entropies and the MoE aux loss of the completion under `model`, with TRL's fused
-        forward (temperature applied). The one copy of TRL's loss-side forward setup for text models."""
+        forward (temperature applied). The one copy of TRL's loss-side forward setup for text models. Only the
+        positions of `scored` (B, T), by default the loss mask, are projected through the LM head; the rest get
+        log-prob 0 (docs/methods/grpo.md D12). A pass that wants only the backbone (a value head's) scores none."""
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        self._scored_next = self.loss_mask(inputs)  # log-prob 0 off the model's tokens (docs/methods/grpo.md D12)
+        self._scored_next = self.loss_mask(inputs) if scored is None else scored
         try:
             return self._get_per_token_logps_and_entropies(
                 model,

@@ -235,14 +235,17 @@ class AgentPPOTrainer(AgentGRPOTrainer):
         with self.accelerator.autocast():
             return self.critic(ids, attn).float()  # (B, L)
 
-    def forward_with_values(self, model, inputs: dict, compute_entropy: bool = False):
-        """`forward_logps` plus the critic's values (B, L) at every position of prompt + completion."""
+    def forward_with_values(self, model, inputs: dict, compute_entropy: bool = False, with_logps: bool = True):
+        """`forward_logps` plus the critic's values (B, L) at every position of prompt + completion. With
+        `with_logps=False`, values only: the log-probs come back 0, and a value head's pass skips the LM head (grpo.md
+        D12)."""
         if isinstance(self.critic, Critic):
             logps, entropies, aux = self.forward_logps(model, inputs, compute_entropy)
             return logps, entropies, aux, self.critic_values(inputs)
-        self._capture = []
+        scored = None if with_logps else torch.zeros_like(inputs["completion_mask"])
+        self._capture = []  # the value hook fills it
         try:
-            logps, entropies, aux = self.forward_logps(model, inputs, compute_entropy)  # the hook fills _capture
+            logps, entropies, aux = self.forward_logps(model, inputs, compute_entropy, scored)
             values = torch.cat(self._capture, dim=0)  # (B, L)
         finally:
             self._capture = None
@@ -260,8 +263,10 @@ class AgentPPOTrainer(AgentGRPOTrainer):
         with self.free_routing():  # MoE replay: the rollout's routes are gone by now; values route freely
             for s in range(0, B, n):
                 chunk = {k: v[s : s + n] for k, v in keys.items()}
-                values = self.critic_values(chunk) if separate else self.forward_with_values(self.model, chunk)[3]
-                chunks.append(values)  # (n, L)
+                if separate:
+                    chunks.append(self.critic_values(chunk))  # (n, L)
+                else:
+                    chunks.append(self.forward_with_values(self.model, chunk, with_logps=False)[3])
         values = torch.cat(chunks, dim=0)  # (B, L)
         return values[:, :-1][:, -T:], values[:, -T:]  # state before / after each completion token
 
