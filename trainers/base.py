@@ -19,7 +19,9 @@ What it adds to `trl.GRPOTrainer` (TRL 1.16.0), of which it is a drop-in (TRL's 
 
 Private TRL methods overridden here, pinned by `tests/test_trl_parity.py`: `_generate_and_score_completions`,
 `_calculate_rewards`, `_compute_loss`, `_get_per_token_logps_and_entropies`, `_get_train_sampler` (EnvSched's sampler
-under `scheduler: envsched`, trainers/envsched.py; plus the public `training_step`), and
+under `scheduler: envsched`, trainers/envsched.py; plus the public `training_step`), TRL's module-level
+`trl.trainer.utils._use_triton` (wrapped so that its fused log-prob head scores only labelled positions on CPU too,
+docs/methods/grpo.md D12; `tests/test_trl_parity.py::test_fused_head_scores_only_labelled_positions_on_cpu`), and
 transformers' `_save_checkpoint` / `_load_from_checkpoint`, which also write and read `monitor_state()`
 (`agent_state.json`: the collapse alarm's and the no-signal guard's memory, and what subclasses add), so a resumed run
 warns and stops where the uninterrupted one would.
