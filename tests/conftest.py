@@ -25,6 +25,22 @@ CPU_ARGS = dict(
     logging_steps=1,
 )
 
+
+def count_lm_head_rows(monkeypatch) -> list[int]:
+    """A list that receives, per call of TRL's fused log-prob kernel, the number of positions projected through the LM
+    head (docs/methods/grpo.md D12)."""
+    import trl.trainer.utils as trl_utils
+
+    rows, apply = [], trl_utils._ChunkedLogProbFunction.apply
+
+    def counted(hidden, *rest):
+        rows.append(hidden.size(0))
+        return apply(hidden, *rest)
+
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", counted)
+    return rows
+
+
 WORDS = ["apple", "river", "stone", "cloud", "amber", "maple", "delta", "orbit", "pearl", "quartz"]
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import CPU_ARGS, EchoEnv
+from conftest import CPU_ARGS, EchoEnv, count_lm_head_rows
 from datasets import Dataset
 
 from trainers.advantages import place_turn_rewards, token_gae
@@ -358,20 +358,12 @@ def test_loss_type_aggregates_actor_and_critic(loss_type, tiny_model_folder, tin
 def test_value_head_pass_without_logps_skips_the_lm_head(tiny_model_folder, tiny_tokenizer, tmp_path, monkeypatch):
     """`old_values` asks a value head's pass for values only (docs/methods/grpo.md D12): the same values as a pass that
     also scores the loss mask, no position projected through the LM head, and log-probs 0."""
-    import trl.trainer.utils as trl_utils
-
     trainer = make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path)
     torch.nn.init.normal_(trainer.critic.weight)  # a head that is not all zeros, so the values differ by position
     ids = torch.tensor([[3, 4, 5], [0, 6, 7]])  # left-padded prompts
     inputs = {"prompt_ids": ids, "prompt_mask": (ids > 0).long(), "completion_ids": torch.tensor([[8, 9, 10, 0]] * 2)}
     inputs["completion_mask"] = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    rows, apply = [], trl_utils._ChunkedLogProbFunction.apply
-
-    def counted(hidden, *rest):
-        rows.append(hidden.size(0))
-        return apply(hidden, *rest)
-
-    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", counted)
+    rows = count_lm_head_rows(monkeypatch)
     with torch.no_grad():
         logps, _, _, values = trainer.forward_with_values(trainer.model, inputs)
         no_logps, _, _, only_values = trainer.forward_with_values(trainer.model, inputs, with_logps=False)

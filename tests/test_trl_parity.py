@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import CPU_ARGS, EchoEnv
+from conftest import CPU_ARGS, EchoEnv, count_lm_head_rows
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
@@ -247,14 +247,7 @@ def test_fused_head_scores_only_labelled_positions_on_cpu(tiny_model_folder, mon
     fused = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
     trl_utils.add_fused_lm_head(fused)
-    rows = []
-    apply = trl_utils._ChunkedLogProbFunction.apply
-
-    def counted(hidden, *args):
-        rows.append(hidden.size(0))
-        return apply(hidden, *args)
-
-    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", counted)
+    rows = count_lm_head_rows(monkeypatch)
     torch.manual_seed(0)
     ids = torch.randint(5, 300, (2, 10))
     labels = ids.clone()
@@ -274,8 +267,6 @@ def test_loss_scores_only_model_tokens(tiny_model_folder, tmp_path, monkeypatch)
     """docs/methods/grpo.md D12: the loss's log-prob forward scores the loss mask's positions only (no environment
     token, no padding, no prompt), and gives the same loss and gradient as TRL's forward over every position; the old
     log-probs are 0 off the mask like the loss's own."""
-    import trl.trainer.utils as trl_utils
-
     two, three = {"words": ["apple", "river"]}, {"words": ["apple", "river", "stone"]}  # 2 and 3 turns: padding
     data = Dataset.from_list([{"prompt": "say apple", "task": t} for t in [two] * 4 + [three] * 4])
     args = AgentGRPOConfig(
@@ -301,15 +292,7 @@ def test_loss_scores_only_model_tokens(tiny_model_folder, tmp_path, monkeypatch)
     model = trainer.model
     model.train()
     trainer.current_gradient_accumulation_steps = 2
-
-    rows = []
-    apply = trl_utils._ChunkedLogProbFunction.apply
-
-    def counted(hidden, *rest):
-        rows.append(hidden.size(0))
-        return apply(hidden, *rest)
-
-    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", counted)
+    rows = count_lm_head_rows(monkeypatch)
     loss = trainer.compute_loss(model, batch)
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
