@@ -284,10 +284,10 @@ def test_loss_scores_only_model_tokens(tiny_model_folder, tmp_path, monkeypatch)
     torch.manual_seed(0)
     out = trainer._generate_and_score_completions([dict(r) for r in data])
     mask = out["completion_mask"] * out["tool_mask"]  # (B, T)
-    assert (out["tool_mask"] == 0).any() and (out["completion_mask"] == 0).any()  # observations and padding
     assert (out["old_per_token_logps"][mask == 0] == 0).all()
     assert (out["old_per_token_logps"][mask == 1] != 0).all()
-    batch = {k: v[:4] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in out.items()}
+    batch = {k: v[:4] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in out.items()}  # the 2-turn rows
+    assert (batch["tool_mask"] == 0).any() and (batch["completion_mask"] == 0).any()  # observations and padding
     batch["advantages"] = torch.linspace(-1.0, 1.0, 4).unsqueeze(1) * batch["completion_mask"]  # a signal everywhere
     model = trainer.model
     model.train()
