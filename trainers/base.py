@@ -176,6 +176,15 @@ class AgentGRPOConfig(GRPOConfig):
         },
     )
 
+    save_episodes: bool = field(
+        default=False,
+        metadata={
+            "help": "Append every training batch's episodes to <output_dir>/episodes.jsonl, one JSON line per "
+            "episode: step, group, task, reward, TRL's group advantage, success, truncated, and per turn the action, "
+            "the observation, the environment's reward, whether it rejected the action, and the model tokens the "
+            "turn took. `python bench/episodes.py <file>` summarises it per step. Needs env_factory."
+        },
+    )
     max_unscorable_frac: float = field(
         default=0.5,
         metadata={
@@ -402,6 +411,9 @@ class AgentGRPOTrainer(GRPOTrainer):
             rollout_func = self._rollout_func
             reward_funcs = reward_funcs if reward_funcs is not None else [reward_function(args)]
         self.env_factory = env_factory
+        if args is not None and getattr(args, "save_episodes", False) and env_factory is None:
+            raise ValueError("save_episodes writes the agent loop's episodes: it needs env_factory")
+        self._episodes_from: int | None = None  # global step at the first write of episodes.jsonl by this process
         self._rows: list[dict] = []
         self._scored_next: torch.Tensor | None = None  # the loss mask of the next log-prob forward (D12)
         self.task_scheduler = None
@@ -622,6 +634,8 @@ class AgentGRPOTrainer(GRPOTrainer):
                 raise RuntimeError(f"batch.extras[{key!r}] must be a batch-first tensor with {len(inputs)} rows")
             out[key] = value
         self._log_env_metrics(batch)
+        if self.args.save_episodes and self.model.training:
+            self._save_episodes(batch)
         self._guard_reward_signal()
         return out
 
@@ -756,6 +770,49 @@ class AgentGRPOTrainer(GRPOTrainer):
             for alarm in self.collapse_alarm.update(*watched):
                 logger.warning("%s", alarm.message)
                 self.log_metric(f"alarm/{alarm.kind}", 1.0)
+
+    def _save_episodes(self, batch: RolloutBatch) -> None:
+        """Append this batch's episodes, gathered from every process, to <output_dir>/episodes.jsonl, one line each,
+        written per batch so a run that stops keeps every batch it trained on. `step` is the first optimizer step
+        that trains on the batch, as in the logged metrics. The first write of a run drops the lines of steps after
+        the one it starts from: a resumed run replaces what its checkpoint did not keep, a new run the whole file."""
+        tokens = [
+            torch.bincount(t[t >= 0], minlength=len(r)).tolist()  # model tokens of each turn
+            for t, r in zip(batch.turn_index, batch.transcripts, strict=True)
+        ]
+        step = self.state.global_step + 1
+        lines = gather_object(
+            [
+                json.dumps(
+                    {
+                        "step": step,
+                        "group": int(batch.group_ids[i]),
+                        "task": batch.task_ids[i],
+                        "reward": float(batch.rewards[i]),
+                        "advantage": float(batch.advantages[i]),
+                        "success": bool(batch.rows[i]["success"]),
+                        "truncated": bool(batch.truncated[i]),
+                        "turns": [{**turn, "tokens": tokens[i][k]} for k, turn in enumerate(batch.transcripts[i])],
+                    },
+                    default=str,
+                )
+                for i in range(len(batch.rows))
+            ]
+        )
+        if not self.accelerator.is_main_process:
+            return
+        path = os.path.join(self.args.output_dir, "episodes.jsonl")
+        if self._episodes_from is None:
+            self._episodes_from = step - 1
+            kept = []
+            if os.path.exists(path):
+                with open(path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= self._episodes_from]
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            with open(path, "w") as f:
+                f.write("".join(kept))
+        with open(path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
 
     def _guard_reward_signal(self) -> None:
         """Log `reward/unscorable_frac` (rollouts for which every reward function returned None, over all processes)
