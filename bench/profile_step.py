@@ -1,12 +1,14 @@
 """Where a training step's time goes: generation, environment steps, rewards, advantages, the loss's forward and
 backward, the optimizer, and everything else (framework overhead), per method, on the same setup.
 
-    python bench/profile_step.py --steps 10 --model tiny:shop --methods grpo ppo mpo
+    python bench/profile_step.py --steps 10 --model tiny:shop --methods grpo ppo mpo [--beta 0.0 0.02]
 
 Each method trains `--steps` optimizer steps (after one untimed warm-up step) with the shop recipe's batch layout
-(64 rollouts per step: 8 tasks x G 8, 24 tokens per turn, 256 per episode) and the policy frozen (learning rate 0, so
-every method plays the same kind of episodes and the shares are the method's own). The trainer's own functions are
-wrapped by timers that keep exclusive time (a region's time minus the regions timed inside it):
+(64 rollouts per step: 8 tasks x G 8, 24 tokens per turn, 256 per episode), each `--beta` (the KL weight to the
+starting policy: a reference forward per step when not 0; one row per method and value) and the policy frozen
+(learning rate 0, so every method plays the same kind of episodes and the shares are the method's own). The
+trainer's own functions are wrapped by timers that keep exclusive time (a region's time minus the regions timed
+inside it):
 
 - generation: the model's `generate` calls in the agent loop (prefill and decode);
 - environment: `step_all` (every environment's `step` of a turn);
@@ -145,11 +147,11 @@ def agent_loop_timers(prof: Profiler):
         agent_loop.play, agent_loop.step_all, agent_loop.hf_generate = saved
 
 
-def profile(method: str, folder: str, opts: argparse.Namespace, workdir: str) -> dict:
+def profile(method: str, beta: float, folder: str, opts: argparse.Namespace, workdir: str) -> dict:
     trainer_cls, config_cls = TRAINERS[method]
     source = load_environment(opts.env, {}, 0)
     config = config_cls(
-        output_dir=os.path.join(workdir, method), per_device_train_batch_size=opts.batch_size,
+        output_dir=os.path.join(workdir, f"{method}-{beta}"), per_device_train_batch_size=opts.batch_size, beta=beta,
         num_generations=opts.num_generations, max_completion_length=opts.max_completion_length,
         max_turn_tokens=opts.max_turn_tokens, max_steps=opts.steps + 1, learning_rate=0.0,
         lr_scheduler_type="constant", loss_type="grpo", report_to="none", seed=0, bf16=False,
@@ -211,11 +213,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max_completion_length", type=int, default=256)
     parser.add_argument("--max_turn_tokens", type=int, default=24)
     parser.add_argument("--methods", nargs="+", default=["grpo", "ppo", "mpo"], choices=sorted(TRAINERS))
+    parser.add_argument("--beta", type=float, nargs="+", default=[0.0], help="KL weights, one row each")
     parser.add_argument("--out", type=Path, default=RESULTS / "profile_step")
     opts = parser.parse_args(argv)
     folder = tiny_model(opts.model) if is_tiny(opts.model) else opts.model
     with tempfile.TemporaryDirectory() as workdir:
-        results = {m: profile(m, folder, opts, workdir) for m in opts.methods}
+        results = {
+            m if beta == 0 else f"{m}, beta {beta:g}": profile(m, beta, folder, opts, workdir)
+            for m in opts.methods
+            for beta in opts.beta
+        }
     text = report(results, opts)
     print("\n" + text)
     write_result(opts.out, "profile_step", vars(opts) | {"out": str(opts.out)}, results, text)

@@ -315,3 +315,40 @@ def test_loss_scores_only_model_tokens(tiny_model_folder, tmp_path, monkeypatch)
     on = mask[:4].bool()
     assert (logps[~on] == 0).all() and (full[~on & batch["completion_mask"].bool()] != 0).all()
     torch.testing.assert_close(logps[on], full[on], rtol=1e-5, atol=1e-6)
+
+
+def test_old_and_reference_passes_score_only_model_tokens(tiny_model_folder, tmp_path, monkeypatch):
+    """docs/methods/grpo.md D12: TRL's no-grad passes over a generation batch (old log-probs, reference log-probs)
+    project only the model's tokens, and equal a full pass of the same model there."""
+    two, three = {"words": ["apple", "river"]}, {"words": ["apple", "river", "stone"]}  # 2 and 3 turns: padding
+    data = Dataset.from_list([{"prompt": "say apple", "task": t} for t in [two] * 4 + [three] * 4])
+    args = AgentGRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        steps_per_generation=2,  # off-policy: TRL runs the old-log-prob pass
+        num_generations=4,
+        max_completion_length=64,
+        max_turn_tokens=3,
+        beta=0.04,  # and the reference pass
+        **CPU_ARGS,
+    )
+    trainer = AgentGRPOTrainer(
+        model=tiny_model_folder, train_dataset=data, args=args, env_factory=lambda row: EchoEnv()
+    )
+    rows = count_lm_head_rows(monkeypatch)
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions([dict(r) for r in data])
+    mask = out["completion_mask"] * out["tool_mask"]  # (B, T)
+    assert (out["tool_mask"] == 0).any() and (out["completion_mask"] == 0).any()  # observations and padding
+    assert sum(rows) == 2 * int(mask.sum())  # two passes, each over the model's tokens only (in TRL's chunks)
+    assert trainer._batch_env_mask is None  # nothing carries over into the loss's forwards
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    on = mask.bool()
+    with torch.no_grad():
+        for key, model in (("old_per_token_logps", trainer.model), ("ref_per_token_logps", trainer.ref_model)):
+            full, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, model, ids, attention, ids.size(1) - out["prompt_ids"].size(1)
+            )
+            assert (out[key][~on] == 0).all() and (full[~on & out["completion_mask"].bool()] != 0).all()
+            torch.testing.assert_close(out[key][on], full[on], rtol=1e-5, atol=1e-6)

@@ -416,6 +416,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         self._episodes_from: int | None = None  # global step at the first write of episodes.jsonl by this process
         self._rows: list[dict] = []
         self._scored_next: torch.Tensor | None = None  # the loss mask of the next log-prob forward (D12)
+        self._batch_env_mask: list[list[int]] | None = None  # this generation batch's model tokens, per row (D12)
         self.task_scheduler = None
         if args.scheduler == "envsched":  # envsched.md: built before TRL's init, which builds no sampler yet
             train_dataset = self._attach_scheduler(args, train_dataset)
@@ -594,10 +595,15 @@ class AgentGRPOTrainer(GRPOTrainer):
         **multimodal,
     ):
         """TRL's log-prob forward, wrapped in `replay_routes` (routing-replay.md Eq. 3) for the policy's own passes.
-        Inside `policy_loss` and `forward_logps` it scores only the loss mask's positions (grpo.md D12)."""
+        Inside `policy_loss` and `forward_logps` it scores only the loss mask's positions, and in TRL's old and
+        reference passes over a generation batch only the model's tokens (grpo.md D12)."""
         forward = super()._get_per_token_logps_and_entropies
         settings = (logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal)
         scored, self._scored_next = self._scored_next, None  # one forward: the loss's own
+        if scored is None and self._batch_env_mask is not None and len(self._batch_env_mask) == input_ids.size(0):
+            scored = torch.zeros(input_ids.size(0), logits_to_keep, dtype=torch.long)  # TRL's old / reference pass
+            for row, env_mask in zip(scored, self._batch_env_mask, strict=True):
+                row[: len(env_mask)] = torch.tensor(env_mask[:logits_to_keep])
         if scored is None:
             return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
         if scored.shape != (input_ids.size(0), logits_to_keep):
@@ -611,7 +617,10 @@ class AgentGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         self._rows = inputs  # agent_loop.trainer_rollouts reads the task of each row from here
         with self.routing_replay.generation():  # nothing replays during generation (routing-replay.md D7)
-            out = super()._generate_and_score_completions(inputs)
+            try:
+                out = super()._generate_and_score_completions(inputs)
+            finally:
+                self._batch_env_mask = None  # set by the rollout function, for the passes inside TRL's method only
             self.routing_replay.add_routes(out)  # out["routing"] (B, S, L, k), batch-first (routing-replay.md D4)
         self.routing_replay.log_batch_metrics(out)  # routing-replay.md Eq. 8, Eq. 10
         scored = out["completion_mask"] * out["tool_mask"] if out.get("tool_mask") is not None else None
@@ -680,6 +689,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         TRL runs before merging rollout fields into the rows finds them (routing-replay.md D7)."""
         rollouts = agent_loop.trainer_rollouts(prompts, self)
         self.routing_replay.take_rollouts(rollouts)  # keeps the route records (routing-replay.md §3), logs Eq. 11
+        self._batch_env_mask = [r.env_mask for r in rollouts]  # TRL's old and reference passes score these (D12)
         return agent_loop.to_trl(rollouts)
 
     def _first_micro_step(self) -> bool:
