@@ -5,25 +5,29 @@
 
 For each window of `--every` steps: episodes, success rate, turns per episode, model tokens per turn, the share of
 turns the environment rejected (`invalid`), and the long turns (at least `--long` model tokens) split four ways: the
-environment accepted or rejected the action, and the episode succeeded or failed. A policy drifting towards long turns
-shows here first, and the four counts say whether the drift is paid for by success (long accepted turns in successful
-episodes) or grows in failed episodes. Prints a markdown table; with `--out` also writes result.md, result.json and a
+environment accepted or rejected the action, and the episode succeeded or failed, and again by the sign of the
+episode's group advantage (how the loss pushes the turn's tokens). A policy drifting towards long turns shows here
+first, and the counts say whether the drift is paid for by success (long accepted turns in successful episodes) or
+grows in failed episodes. Prints a markdown table; with `--out` also writes result.md, result.json and a
 plot (episodes.png) of the four counts per window.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import math
 import os
 from collections import defaultdict
 
 LONG_KINDS = ("accepted, success", "accepted, failure", "rejected, success", "rejected, failure")
+SIGNS = ("< 0", "= 0", "> 0")  # the sign of the episode's group advantage: how the loss pushes the long turn
 
 
 def read_episodes(path: str) -> list[dict]:
-    """The episodes of a run's episodes.jsonl, one dict per line."""
-    with open(path) as f:
+    """The episodes of a run's episodes.jsonl (or a gzipped copy, .gz), one dict per line."""
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -38,12 +42,16 @@ def summarise(episodes: list[dict], every: int = 1, long_tokens: int = 12) -> li
     for w in sorted(windows):
         group = windows[w]
         turns = [turn for episode in group for turn in episode["turns"]]
-        long = dict.fromkeys(LONG_KINDS, 0)
+        long, signs = dict.fromkeys(LONG_KINDS, 0), dict.fromkeys(SIGNS, 0)
         for episode in group:
             outcome = "success" if episode["success"] else "failure"
+            advantage = episode.get("advantage", math.nan)
+            sign = "< 0" if advantage < 0 else "> 0" if advantage > 0 else "= 0" if advantage == 0 else None
             for turn in episode["turns"]:
                 if turn["tokens"] >= long_tokens:
                     long[f"{'rejected' if turn.get('invalid') else 'accepted'}, {outcome}"] += 1
+                    if sign is not None:
+                        signs[sign] += 1
         rows.append(
             {
                 "steps": f"{w * every + 1}-{(w + 1) * every}" if every > 1 else str(w + 1),
@@ -53,6 +61,7 @@ def summarise(episodes: list[dict], every: int = 1, long_tokens: int = 12) -> li
                 "tokens_per_turn": sum(t["tokens"] for t in turns) / max(1, len(turns)),
                 "rejected_turns": sum(bool(t.get("invalid")) for t in turns) / max(1, len(turns)),
                 "long_turns": long,
+                "long_turns_by_advantage": signs,
             }
         )
     return rows
@@ -62,9 +71,9 @@ def table(rows: list[dict], long_tokens: int) -> str:
     head = (
         "| steps | episodes | success | turns / episode | model tokens / turn | rejected turns | "
         + " | ".join(f"turns >= {long_tokens} tokens: {k}" for k in LONG_KINDS)
-        + " |"
+        + " | their episode's advantage < 0 / = 0 / > 0 |"
     )
-    lines = [head, "|" + "---|" * (6 + len(LONG_KINDS))]
+    lines = [head, "|" + "---|" * (7 + len(LONG_KINDS))]
     for r in rows:
         cells = [
             r["steps"],
@@ -74,7 +83,8 @@ def table(rows: list[dict], long_tokens: int) -> str:
             f"{r['tokens_per_turn']:.2f}",
             f"{r['rejected_turns']:.3f}",
         ]
-        lines.append("| " + " | ".join(cells + [str(r["long_turns"][k]) for k in LONG_KINDS]) + " |")
+        signs = " / ".join(str(r["long_turns_by_advantage"][k]) for k in SIGNS)
+        lines.append("| " + " | ".join(cells + [str(r["long_turns"][k]) for k in LONG_KINDS] + [signs]) + " |")
     return "\n".join(lines)
 
 
@@ -104,7 +114,7 @@ def plot(rows: list[dict], long_tokens: int, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="a run's episodes.jsonl (written with save_episodes: true)")
+    parser.add_argument("path", help="a run's episodes.jsonl (written with save_episodes: true), or a .gz of it")
     parser.add_argument("--every", type=int, default=5, help="steps per row (default 5, like logging_steps)")
     parser.add_argument("--long", type=int, default=12, help="a turn with at least this many model tokens is long")
     parser.add_argument("--out", help="folder for result.md, result.json and episodes.png")

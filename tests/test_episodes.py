@@ -1,5 +1,6 @@
 """`save_episodes` (trainers/base.py) and its summary (bench/episodes.py)."""
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -90,16 +91,17 @@ def test_save_episodes_needs_an_environment(tiny_model_folder, tmp_path):
         AgentGRPOTrainer(model=tiny_model_folder, reward_funcs=[lambda **kw: [0.0]], args=args)
 
 
-def episode(step, success, turns):
-    return {"step": step, "success": success, "turns": [{"tokens": n, "invalid": bad} for n, bad in turns]}
+def episode(step, success, turns, advantage):
+    turns = [{"tokens": n, "invalid": bad} for n, bad in turns]
+    return {"step": step, "success": success, "advantage": advantage, "turns": turns}
 
 
 def test_summary_counts_by_hand(tmp_path):
     episodes = [
-        episode(1, True, [(3, False), (12, False)]),  # long accepted turn in a success
-        episode(2, False, [(20, True), (5, True), (12, True)]),  # two long rejected turns in a failure
-        episode(3, False, [(11, False)]),  # 11 < 12: not long
-        episode(4, False, [(15, False)]),  # long accepted in a failure, second window
+        episode(1, True, [(3, False), (12, False)], 0.9),  # long accepted turn in a success
+        episode(2, False, [(20, True), (5, True), (12, True)], -0.3),  # two long rejected turns in a failure
+        episode(3, False, [(11, False)], 0.0),  # 11 < 12: not long
+        episode(4, False, [(15, False)], 0.0),  # long accepted in a failure, second window
     ]
     first, second = summary.summarise(episodes, every=3, long_tokens=12)
     assert first["steps"] == "1-3" and first["episodes"] == 3
@@ -113,7 +115,9 @@ def test_summary_counts_by_hand(tmp_path):
         "rejected, success": 0,
         "rejected, failure": 2,
     }
+    assert first["long_turns_by_advantage"] == {"< 0": 2, "= 0": 0, "> 0": 1}
     assert second["steps"] == "4-6" and second["long_turns"]["accepted, failure"] == 1
+    assert second["long_turns_by_advantage"] == {"< 0": 0, "= 0": 1, "> 0": 0}
     assert [r["steps"] for r in summary.summarise(episodes, every=1)] == ["1", "2", "3", "4"]
     with pytest.raises(ValueError, match="every and long_tokens"):
         summary.summarise(episodes, every=0)
@@ -124,4 +128,9 @@ def test_summary_counts_by_hand(tmp_path):
     rows = summary.main([str(path), "--every", "3", "--out", str(out)])
     assert rows == [first, second]
     assert json.loads((out / "result.json").read_text())["rows"] == rows
-    assert "| 1-3 | 3 | 0.333 |" in (out / "result.md").read_text() and (out / "episodes.png").stat().st_size > 0
+    text = (out / "result.md").read_text()
+    assert "| 1-3 | 3 | 0.333 |" in text and "| 2 / 0 / 1 |" in text and (out / "episodes.png").stat().st_size > 0
+    packed = tmp_path / "episodes.jsonl.gz"
+    with gzip.open(packed, "wt") as f:
+        f.write(path.read_text())
+    assert summary.main([str(packed), "--every", "3"]) == rows
