@@ -149,7 +149,10 @@ class PPOConfig(AgentGRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.beta != 0.0:
-            raise ValueError(f"beta must be 0: the critic trainers have no KL term (t1.md §5), got {self.beta}")
+            raise ValueError(
+                f"beta must be 0: the critic trainers have no KL term (t1.md §5), got {self.beta}; pass --beta 0 "
+                "(configs/quickstart.yaml sets 0.02 for GRPO)"
+            )
         if self.loss_type not in LOSS_TYPES:  # conventions.md C22; the others change the per-token loss itself
             raise ValueError(
                 f"loss_type must be one of {LOSS_TYPES} for the critic trainers (conventions.md C22), got "
