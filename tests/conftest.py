@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from envs.base import Env  # noqa: E402
+from trainers.base import AgentGRPOTrainer  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # tiny models: more threads only add overhead
 
@@ -106,3 +107,11 @@ def tiny_model_folder(tiny_tokenizer, tmp_path_factory):
     model.save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+class RecordingTrainer(AgentGRPOTrainer):
+    """Keeps the last rollout batch its advantage hook saw (`self.seen`)."""
+
+    def compute_advantages(self, batch):
+        self.seen = batch
+        return super().compute_advantages(batch)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import CPU_ARGS, EchoEnv
+from conftest import CPU_ARGS, EchoEnv, RecordingTrainer
 from datasets import Dataset
 
 from trainers.alarm import KINDS, CollapseAlarm, replay
@@ -125,14 +125,6 @@ def test_replay_of_stored_runs():
     healthy = json.loads((RESULTS / "shop_methods" / "quickstart-s0" / "summary.json").read_text())
     # tokens per turn 5.8-8.0, truncated <= 0.77, success >= 0.09: nowhere near a band
     assert replay(healthy["log_history"], max_turn_tokens=24) == []
-
-
-class RecordingTrainer(AgentGRPOTrainer):
-    """Keeps the last rollout batch its advantage hook saw."""
-
-    def compute_advantages(self, batch):
-        self.seen = batch
-        return super().compute_advantages(batch)
 
 
 def test_trainer_logs_tokens_per_turn_and_fires_alarms(tiny_model_folder, tmp_path, caplog):

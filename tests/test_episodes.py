@@ -7,21 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_ARGS, EchoEnv
+from conftest import CPU_ARGS, EchoEnv, RecordingTrainer
 from datasets import Dataset
 
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import episodes as summary  # noqa: E402
-
-
-class RecordingTrainer(AgentGRPOTrainer):
-    """Keeps the last rollout batch its advantage hook saw."""
-
-    def compute_advantages(self, batch):
-        self.seen = batch
-        return super().compute_advantages(batch)
 
 
 def make_trainer(model, output_dir):

@@ -5,11 +5,11 @@ import copy
 
 import pytest
 import torch
-from conftest import CPU_ARGS, EchoEnv
+from conftest import CPU_ARGS, EchoEnv, RecordingTrainer
 from datasets import Dataset
 
 from trainers.agent_loop import render_prompt_ids
-from trainers.base import AgentGRPOConfig, AgentGRPOTrainer
+from trainers.base import AgentGRPOConfig
 from trainers.teacher import teacher_logps, with_privileged_block
 
 
@@ -33,12 +33,6 @@ def test_block_makes_a_system_message_when_there_is_none():
     ]
     assert with_privileged_block("x", "H") == [{"role": "system", "content": "H"}, {"role": "user", "content": "x"}]
     assert with_privileged_block([{"role": "system", "content": ""}], "H") == [{"role": "system", "content": "H"}]
-
-
-class RecordingTrainer(AgentGRPOTrainer):
-    def compute_advantages(self, batch):
-        self.seen = batch
-        return super().compute_advantages(batch)
 
 
 @pytest.fixture(scope="module")

@@ -263,26 +263,31 @@ def test_fused_head_scores_only_labelled_positions_on_cpu(tiny_model_folder, mon
     assert (out.log_probs[~scored] == 0).all()
 
 
-def test_loss_scores_only_model_tokens(tiny_model_folder, tmp_path, monkeypatch):
-    """docs/methods/grpo.md D12: the loss's log-prob forward scores the loss mask's positions only (no environment
-    token, no padding, no prompt), and gives the same loss and gradient as TRL's forward over every position; the old
-    log-probs are 0 off the mask like the loss's own."""
-    two, three = {"words": ["apple", "river"]}, {"words": ["apple", "river", "stone"]}  # 2 and 3 turns: padding
+def echo_batch(model, tmp_path, **settings):
+    """A trainer on EchoEnv and one generation batch of it: 2- and 3-turn episodes (so rows carry observations and
+    padding), two minibatches per generation (off-policy, so TRL runs its old-log-prob pass)."""
+    two, three = {"words": ["apple", "river"]}, {"words": ["apple", "river", "stone"]}
     data = Dataset.from_list([{"prompt": "say apple", "task": t} for t in [two] * 4 + [three] * 4])
     args = AgentGRPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
-        steps_per_generation=2,  # off-policy: TRL runs the old-log-prob pass
+        steps_per_generation=2,
         num_generations=4,
         max_completion_length=64,
         max_turn_tokens=3,
+        **settings,
         **CPU_ARGS,
     )
-    trainer = AgentGRPOTrainer(
-        model=tiny_model_folder, train_dataset=data, args=args, env_factory=lambda row: EchoEnv()
-    )
+    trainer = AgentGRPOTrainer(model=model, train_dataset=data, args=args, env_factory=lambda row: EchoEnv())
     torch.manual_seed(0)
-    out = trainer._generate_and_score_completions([dict(r) for r in data])
+    return trainer, trainer._generate_and_score_completions([dict(r) for r in data])
+
+
+def test_loss_scores_only_model_tokens(tiny_model_folder, tmp_path, monkeypatch):
+    """docs/methods/grpo.md D12: the loss's log-prob forward scores the loss mask's positions only (no environment
+    token, no padding, no prompt), and gives the same loss and gradient as TRL's forward over every position; the old
+    log-probs are 0 off the mask like the loss's own."""
+    trainer, out = echo_batch(tiny_model_folder, tmp_path)
     mask = out["completion_mask"] * out["tool_mask"]  # (B, T)
     assert (out["old_per_token_logps"][mask == 0] == 0).all()
     assert (out["old_per_token_logps"][mask == 1] != 0).all()
@@ -320,24 +325,8 @@ def test_loss_scores_only_model_tokens(tiny_model_folder, tmp_path, monkeypatch)
 def test_old_and_reference_passes_score_only_model_tokens(tiny_model_folder, tmp_path, monkeypatch):
     """docs/methods/grpo.md D12: TRL's no-grad passes over a generation batch (old log-probs, reference log-probs)
     project only the model's tokens, and equal a full pass of the same model there."""
-    two, three = {"words": ["apple", "river"]}, {"words": ["apple", "river", "stone"]}  # 2 and 3 turns: padding
-    data = Dataset.from_list([{"prompt": "say apple", "task": t} for t in [two] * 4 + [three] * 4])
-    args = AgentGRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        steps_per_generation=2,  # off-policy: TRL runs the old-log-prob pass
-        num_generations=4,
-        max_completion_length=64,
-        max_turn_tokens=3,
-        beta=0.04,  # and the reference pass
-        **CPU_ARGS,
-    )
-    trainer = AgentGRPOTrainer(
-        model=tiny_model_folder, train_dataset=data, args=args, env_factory=lambda row: EchoEnv()
-    )
     rows = count_lm_head_rows(monkeypatch)
-    torch.manual_seed(0)
-    out = trainer._generate_and_score_completions([dict(r) for r in data])
+    trainer, out = echo_batch(tiny_model_folder, tmp_path, beta=0.04)  # beta > 0: TRL's reference pass too
     mask = out["completion_mask"] * out["tool_mask"]  # (B, T)
     assert (out["tool_mask"] == 0).any() and (out["completion_mask"] == 0).any()  # observations and padding
     assert sum(rows) == 2 * int(mask.sum())  # two passes, each over the model's tokens only (in TRL's chunks)
