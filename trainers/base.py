@@ -411,7 +411,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             rollout_func = self._rollout_func
             reward_funcs = reward_funcs if reward_funcs is not None else [reward_function(args)]
         self.env_factory = env_factory
-        if args is not None and getattr(args, "save_episodes", False) and env_factory is None:
+        if args.save_episodes and env_factory is None:
             raise ValueError("save_episodes writes the agent loop's episodes: it needs env_factory")
         self._episodes_from: int | None = None  # global step at the first write of episodes.jsonl by this process
         self._rows: list[dict] = []
