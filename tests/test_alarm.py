@@ -42,6 +42,7 @@ def test_capped_turns_streak_breaks_and_restarts():
     (last,) = a.update(23.9, None, None)
     assert last.metric == "env/tokens_per_turn" and last.values == (22.0, 22.5, 23.9)
     assert "24-token cap" in last.message and "23.9" in last.message and "loss_type: grpo" in last.message
+    assert "beta: 0.02" in last.message  # the KL term that held the quickstart (grpo.md D13)
 
 
 def test_truncated_needs_a_lower_batch_first():
@@ -57,6 +58,15 @@ def test_success_falls_to_zero_after_the_floor():
     assert feed(alarm, success=[0.03, 0.0, 0.0, 0.0]) == []
     # 0.1 reaches the floor; 0.0, 0.01, 0.02 are all <= 0.02 -> fires at batch 3 of this feed; later zeros: no repeat
     assert feed(alarm, success=[0.1, 0.0, 0.01, 0.02, 0.0, 0.0]) == [(3, "success")]
+
+
+def test_an_ignored_kind_never_fires_and_the_others_still_do():
+    # the success drop of the test above, with "success" ignored (X-Tree node RL): nothing; the turn cap still fires
+    alarm = CollapseAlarm(max_turn_tokens=24, ignore=("success",))
+    assert feed(alarm, success=[0.1, 0.0, 0.01, 0.02, 0.0, 0.0]) == []
+    assert feed(alarm, tokens=[6.0, 22.0, 23.0, 24.0]) == [(3, "capped_turns")]
+    with pytest.raises(ValueError, match="unknown alarm kinds to ignore: \\['sucess'\\]"):
+        CollapseAlarm(max_turn_tokens=24, ignore=("sucess",))
 
 
 def test_success_above_zero_breaks_the_streak_and_nan_is_no_information():

@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,21 @@ from envs.terminal import TerminalEnv
 from trainers import xtree
 from trainers.agent_loop import LoopSettings, play
 from trainers.base import AgentGRPOTrainer
-from trainers.xtree_trainer import NodeEnv, PrefixMismatch, XTreeConfig, XTreeTrainer, expert_corpus, instance_rows
+from trainers.xtree_trainer import (
+    NodeEnv,
+    PrefixMismatch,
+    XTreeConfig,
+    XTreeTrainer,
+    expert_corpus,
+    instance_openings,
+    instance_rows,
+    opening_warning,
+)
 
 
-def corpus_and_rows(env_cls, n=200, **fields):
+def corpus_and_rows(env_cls, n=200, noise=0.3, **fields):
     tasks = env_cls.make_tasks("train", n, seed=0)
-    trajs, logs = expert_corpus(lambda t: env_cls(), tasks, noise=0.3, seed=0)
+    trajs, logs = expert_corpus(lambda t: env_cls(), tasks, noise=noise, seed=0)
     tree, occ = xtree.mine(trajs, xtree.MinerConfig())
     args = XTreeConfig(output_dir="unused", xtree_use="nodes", **CPU_ARGS, **fields)
     return trajs, logs, tree, occ, instance_rows(trajs, logs, tree, occ, args), args
@@ -310,3 +320,47 @@ def test_expert_gold_keeps_random_steps_out_of_continuations():
     assert any(any(gold_noise(r)) for r in logged_rows)
     assert any(any(logs[instance_of(r)["xtree_instance"]["traj_id"]].noisy[: len(instance_of(r)["xtree_instance"]
                ["prefix"])]) for r in rows)  # fmt: skip
+
+
+def test_the_opening_warning_fires_on_the_tree_node_rl_collapsed_on():
+    """D21: every node of the shop's noisy-expert tree starts with the search, so every instance opens with it and the
+    start-up warning fires (node RL collapsed there); on the noise-free expert's tree and the terminal's, neither of
+    which collapsed, it stays quiet."""
+    _, _, tree, _, rows, _ = corpus_and_rows(ShopEnv, n=500)
+    assert tree.nodes and {n.expansion[0] for n in tree.nodes} == {"search<query>"}  # read off the tree itself
+    assert instance_openings(rows) == Counter({"search<query>": len(rows)})
+    assert "begin with search<query>" in opening_warning(instance_openings(rows))
+    for env_cls, noise in ((ShopEnv, 0.0), (TerminalEnv, 0.3)):
+        *_, rows, _ = corpus_and_rows(env_cls, n=500, noise=noise)
+        openings = instance_openings(rows)
+        assert len(openings) > 1 and sum(openings.values()) == len(rows)
+        assert opening_warning(openings) is None
+
+
+def test_the_opening_warning_threshold():
+    assert "9 of 10 instances begin with a" in opening_warning(Counter(a=9, b=1))  # 0.9 of them: warns
+    assert opening_warning(Counter(a=8, b=2)) is None and opening_warning(Counter()) is None
+    assert opening_warning(Counter(a=8, b=2), share=0.8) is not None
+
+
+def test_node_rl_does_not_watch_training_success(tiny_model_folder, tmp_path):
+    """Node RL's env/success is a node matched in full (the depth curriculum lowers it by design), so its collapse
+    alarm leaves success out; the bonus use keeps every kind."""
+    for use, ignored in (("nodes", {"success"}), ("bonus", set())):
+        trainer = make_trainer(tiny_model_folder, tmp_path / use, xtree_use=use)
+        assert trainer.collapse_alarm.ignore == ignored
+
+
+def test_instances_command_shows_what_node_rl_opens_with(capsys):
+    """`python -m trainers.xtree_cli instances`: the rows the trainer would build (same count), their openings per
+    step before them, and the D21 warning on the shop's noisy tree only."""
+    from trainers.xtree_cli import main
+
+    main(["instances", "--environment", "shop", "--episodes", "300"])
+    out = capsys.readouterr().out
+    _, _, _, _, rows, _ = corpus_and_rows(ShopEnv, n=300)
+    assert out.startswith(f"{len(rows)} instances") and f"opening action: search<query> {len(rows)}\n" in out
+    assert "warning: X-Tree node RL" in out
+    main(["instances", "--environment", "shop", "--episodes", "300", "--noise", "0"])
+    out = capsys.readouterr().out
+    assert "no warning" in out and "click<item>" in out.splitlines()[1]

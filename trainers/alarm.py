@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 KINDS = ("short_turns", "capped_turns", "truncated", "success", "no_variance")
@@ -110,6 +110,9 @@ class CollapseAlarm:
         zero_std_frac (`float`, *optional*, defaults to `0.95`): fraction of zero-variance groups at or above which a
             batch counts as carrying no learning signal.
         no_variance_patience (`int`, *optional*, defaults to `5`): consecutive such batches before `no_variance` fires.
+        ignore (`Sequence[str]`, *optional*, defaults to `()`): kinds never watched, for trainers whose `env/*`
+            numbers mean something else (X-Tree's node RL: `env/success` is a node matched in full, and its depth
+            curriculum lowers it by design).
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class CollapseAlarm:
         success_zero: float = 0.02,
         zero_std_frac: float = 0.95,
         no_variance_patience: int = 5,
+        ignore: Sequence[str] = (),
     ):
         if max_turn_tokens < 1:
             raise ValueError(f"max_turn_tokens must be >= 1, got {max_turn_tokens}")
@@ -130,6 +134,10 @@ class CollapseAlarm:
             raise ValueError(f"patience must be >= 1, got {patience} (no_variance_patience {no_variance_patience})")
         if success_floor <= success_zero:
             raise ValueError(f"success_floor ({success_floor}) must be above success_zero ({success_zero})")
+        unknown = sorted(set(ignore) - set(KINDS))
+        if unknown:
+            raise ValueError(f"unknown alarm kinds to ignore: {unknown}; the kinds are {list(KINDS)}")
+        self.ignore = frozenset(ignore)
         self.max_turn_tokens = max_turn_tokens
         self.cap_tokens = cap_fraction * max_turn_tokens
         self.short_turn_tokens, self.truncated_frac, self.zero_std_frac = (
@@ -172,7 +180,11 @@ class CollapseAlarm:
             "success": success,
             "no_variance": zero_std,
         }
-        return [self._alarm(kind) for kind, value in values.items() if self.watches[kind].update(value)]
+        return [
+            self._alarm(kind)
+            for kind, value in values.items()
+            if kind not in self.ignore and self.watches[kind].update(value)
+        ]
 
     def _alarm(self, kind: str) -> Alarm:
         watch = self.watches[kind]
@@ -191,7 +203,8 @@ class CollapseAlarm:
                 f"mean tokens per assistant turn {shown} {last}: turns run to the {self.max_turn_tokens}-token cap "
                 "(max_turn_tokens), the policy stopped emitting the end-of-turn id. Under one token mean over the "
                 "batch (TRL's loss_type 'dapo') long failed episodes dominate the loss and push that id down; "
-                "consider loss_type: grpo (conventions.md C22)",
+                "consider loss_type: grpo (conventions.md C22). Under grpo the quickstart's late drift to the cap was "
+                "held by a small KL term to the starting policy (beta: 0.02, grpo.md D13)",
             ),
             "truncated": (
                 "env/truncated",
@@ -210,8 +223,9 @@ class CollapseAlarm:
             "success": (
                 "env/success",
                 f"training success {shown} {last}, after reaching {watch.peak:.3g}: the policy collapsed. The other "
-                "env/* metrics show which degenerate episodes it fell into; a lower learning rate or loss_type: grpo "
-                "(conventions.md C22) are the first things to try",
+                "env/* metrics show which degenerate episodes it fell into; a lower learning rate, loss_type: grpo "
+                "(conventions.md C22) or a small KL term to the starting policy (beta: 0.02, grpo.md D13) are the "
+                "first things to try",
             ),
         }[kind]
         return Alarm(kind, metric, tuple(watch.recent), f"collapse alarm, {metric}: {what}.")

@@ -443,7 +443,9 @@ class AgentGRPOTrainer(GRPOTrainer):
             max_turns=self.args.max_turns,
             env_timeout=self.args.env_timeout,
         )
-        self.collapse_alarm = CollapseAlarm(self.args.max_turn_tokens) if self.args.collapse_alarm else None
+        self.collapse_alarm = (
+            CollapseAlarm(self.args.max_turn_tokens, ignore=self.alarm_ignores()) if self.args.collapse_alarm else None
+        )
         self._unscorable_streak: list[float] = []  # unscorable fractions of the last batches above the guard's bound
         if self.routing_replay.setup(self.accelerator.unwrap_model(self.model)):  # refuses unsupported setups
             self.aux_loss_enabled = False  # router_aux_loss_coef is 0.0 (AgentGRPOConfig.__post_init__, D10)
@@ -553,6 +555,10 @@ class AgentGRPOTrainer(GRPOTrainer):
         """(B, T) model tokens of the micro-batch: `completion_mask * tool_mask`, as TRL forms it."""
         mask = inputs["completion_mask"]
         return mask * inputs["tool_mask"] if inputs.get("tool_mask") is not None else mask
+
+    def alarm_ignores(self) -> tuple[str, ...]:
+        """Collapse-alarm kinds this trainer's `env/*` numbers cannot inform (trainers/alarm.py); none here."""
+        return ()
 
     def log_metric(self, name: str, value: float) -> None:
         mode = "train" if self.model.training else "eval"

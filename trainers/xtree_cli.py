@@ -5,6 +5,11 @@
     python -m trainers.xtree_cli plot runs/xtree/shop.json --out runs/xtree/shop.png
 
     python -m trainers.xtree_cli cards --environment terminal --out runs/xtree/terminal_cards
+    python -m trainers.xtree_cli instances --environment shop
+
+`instances` builds node RL's instances as `xtree_use: nodes` would (same corpus, tree and selection) and prints what
+they teach: the action each instance opens with, after which step, against what the corpus's successful episodes do
+after that step (docs/methods/xtree.md D21), with the trainer's start-up warning when one action opens nearly all.
 
 `mine` reads logged episodes (`--trajectories FILE.jsonl`: one JSON object per line with `actions` and `success`), or
 logs one noisy-expert episode per training task of a built-in environment, mines the tree, writes it with its
@@ -120,8 +125,44 @@ def task_card(tree, index: CorpusIndex, env, task: dict, env_name: str, **card_s
     return render_card(tree, index, key, style, **card_settings)
 
 
+def instances_report(trajs, logs, tree, occ, args) -> str:
+    """Node RL's instances on this corpus and tree: per depth, per opening action, and per step before the instance
+    (its last prefix step's canonical token, or `start`) the openings against the successful episodes' next steps."""
+    from collections import Counter, defaultdict
+
+    from trainers.xtree_trainer import instance_openings, instance_rows, opening_warning
+
+    rows = instance_rows(trajs, logs, tree, occ, args)
+    if not rows:
+        return "no instance: no successful logged episode of half B contains a tree node"
+    by_id = {t.id: t for t in trajs}
+    opened = defaultdict(Counter)  # token before the instance -> opening tokens
+    for r in rows:
+        inst = json.loads(r["task"])["xtree_instance"]
+        s = len(inst["prefix"])
+        opened[by_id[inst["traj_id"]].tokens[s - 1] if s else "start"][inst["gold_tokens"][0]] += 1
+    corpus = defaultdict(Counter)  # token before a step -> the step, in successful episodes
+    for t in trajs:
+        if t.success:
+            for before, step in zip(["start", *t.tokens], t.tokens, strict=False):  # each step after the one before
+                corpus[before][step] += 1
+    openings = instance_openings(rows)
+    fmt = lambda c: ", ".join(f"{k} {v}" for k, v in c.most_common())  # noqa: E731
+    lines = [
+        f"{len(rows)} instances from {len(tree.nodes)} skills; per depth "
+        f"{dict(sorted(Counter(r['depth'] for r in rows).items()))}",
+        f"opening action: {fmt(openings)}",
+        "after            | instances open with | successful episodes continue with",
+    ]
+    for before, counts in sorted(opened.items(), key=lambda kv: -sum(kv[1].values())):
+        lines.append(f"{before:16s} | {fmt(counts)} | {fmt(corpus[before])}")
+    warning = opening_warning(openings)
+    lines.append(f"warning: {warning}" if warning else "no warning: no action opens nearly every instance")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """python -m trainers.xtree_cli {mine,show,plot,cards} ...; see `--help`."""
+    """python -m trainers.xtree_cli {mine,show,plot,cards,instances} ...; see `--help`."""
     parser = argparse.ArgumentParser(prog="python -m trainers.xtree_cli", description="Mine, print and draw X-Trees.")
     sub = parser.add_subparsers(dest="command", required=True)
     m = sub.add_parser("mine", help="mine a tree from logged episodes (a JSONL file, or an environment expert)")
@@ -142,6 +183,14 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--min_chain_support", type=int, default=5)
     c.add_argument("--above_margin", type=float, default=0.01)
     c.add_argument("--out", required=True, help="folder for train.jsonl, test.jsonl and the tree")
+    i = sub.add_parser("instances", help="what node RL's instances on a mined tree open with (xtree.md D21)")
+    _corpus_arguments(i)
+    from trainers.xtree_trainer import XTreeConfig
+
+    defaults = XTreeConfig.__dataclass_fields__
+    for name in ("xtree_max_instances_per_node", "xtree_gold", "xtree_instance_source", "xtree_mixing"):
+        value = defaults[name].default
+        i.add_argument(f"--{name}", type=type(value), default=value, help=defaults[name].metadata.get("help"))
     args = parser.parse_args(argv)
     if args.command == "show":
         tree = load(args.tree)
@@ -155,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.out}")
         return
     env_cls, trajs, logs, tree, occ = _corpus(args)
+    if args.command == "instances":
+        if not logs:
+            raise SystemExit("error: instances replay a built-in environment's logged expert; give --environment")
+        print(instances_report(trajs, logs, tree, occ, args))
+        return
     if args.command == "mine":
         save(tree, args.out, occ)
         plot_tree(tree, args.out[: -len(".json")] + ".png" if args.out.endswith(".json") else args.out + ".png")

@@ -43,6 +43,7 @@ from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch, env_r
 logger = logging.getLogger(__name__)
 
 USES = ("bonus", "nodes")
+OPENING_WARN_SHARE = 0.9  # xtree.md D21: noisy shop tree 96/96 (collapsed), noise-free 64/96, terminal 39/160
 BONUS_MODES = ("auto", "depth", "success_coverage")
 MIXINGS = ("plain", "depth_curriculum")
 
@@ -342,6 +343,29 @@ def instance_rows(
     return rows
 
 
+def instance_openings(rows: list[dict]) -> Counter:
+    """How many node instances begin with each canonical action (their first gold token). Every rollout of node RL is
+    scored on its first step, so this is what it teaches most (docs/methods/xtree.md D21)."""
+    return Counter(json.loads(r["task"])["xtree_instance"]["gold_tokens"][0] for r in rows)
+
+
+def opening_warning(openings: Counter, share: float = OPENING_WARN_SHARE) -> str | None:
+    """The start-up warning of xtree.md D21, or None: one action opens at least `share` of the instances, so node RL
+    will reward it from every state it starts in, including states where the task needs something else."""
+    if not openings:
+        return None
+    (top, count), total = openings.most_common(1)[0], sum(openings.values())
+    if count < share * total:
+        return None
+    return (
+        f"X-Tree node RL: {count} of {total} instances begin with {top}, so node RL will teach the policy to answer "
+        f"every state it starts from with {top}. On tiny:shop's noisy-expert tree every instance began with a search, "
+        "some on an item page, and held-out success fell to 0 on every seed (docs/methods/xtree.md D21). Look at the "
+        "tree (python -m trainers.xtree_cli show); a tree whose nodes start later in the episode (there: "
+        "xtree_corpus_noise 0) or the skill bonus (xtree_use: bonus) did not collapse"
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------------------------------
@@ -410,6 +434,7 @@ class XTreeTrainer(AgentGRPOTrainer):
                     "log more episodes (xtree_corpus_episodes) or lower xtree_corpus_noise"
                 )
             self.instance_depths = Counter(r["depth"] for r in rows)
+            self.instance_openings = instance_openings(rows)
             train_dataset = Dataset.from_list(rows)
             args.shuffle_dataset = False  # the order is xtree_mixing's
             if reward_funcs is None:  # Eq. 6 is the node environment's own reward, whatever `reward` says
@@ -444,7 +469,16 @@ class XTreeTrainer(AgentGRPOTrainer):
             print(f"X-Tree on its corpus: compression {stats['compression']:.3f}, coverage {stats['coverage']:.3f}, "
                   f"{len(stats['self_encoding_failures'])} self-encoding failures")  # fmt: skip
         if self.args.xtree_use == "nodes":
-            print(f"X-Tree node RL: instances per depth {dict(sorted(self.instance_depths.items()))}")
+            print(f"X-Tree node RL: instances per depth {dict(sorted(self.instance_depths.items()))}, "
+                  f"first gold action {dict(self.instance_openings.most_common())}")  # fmt: skip
+            warning = opening_warning(self.instance_openings)
+            if warning:
+                logger.warning("%s", warning)
+
+    def alarm_ignores(self) -> tuple[str, ...]:
+        """Node RL's `env/success` is a node matched in full, which the depth curriculum lowers by design: the
+        success alarm would fire on a healthy run (and cannot see a held-out collapse)."""
+        return ("success",) if self.args.xtree_use == "nodes" else ()
 
     # --- use (b) -----------------------------------------------------------------------------------------------------
     def _bonus_function(self) -> Callable:
