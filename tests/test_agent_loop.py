@@ -378,54 +378,6 @@ def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse(monke
         torch.testing.assert_close(torch.tensor(r.logprobs)[mask], ref[mask], atol=1e-4, rtol=0)
 
 
-def test_prefill_hands_grouped_heads_to_sdpa_and_plays_the_same_episodes(monkeypatch):
-    """On a CPU a turn's prefill passes the shipped agent's 2 key/value heads to torch's SDPA as they are (enable_gqa)
-    where transformers would repeat them to its 4 query heads; decode steps keep transformers' folded queries; the
-    sampled episodes, ids and log-probs, are the same to the bit as with the repeat, and the switch is reset after."""
-    import contextlib
-    import os
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from envs.shop import ShopEnv
-    from envs.tiny import SHIPPED
-    from trainers import agent_loop
-
-    folder = next(SHIPPED.glob("tiny-shop-*"))
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tasks = ShopEnv.make_tasks("eval", 8, seed=0)
-    real, calls = torch.nn.functional.scaled_dot_product_attention, []
-
-    def spy(q, k, v, *args, **kwargs):
-        calls.append((q.shape[1], q.shape[2], k.shape[1], kwargs.get("enable_gqa", False)))
-        return real(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    runs = {}
-    for name in ("grouped", "repeated"):
-        if name == "repeated":
-            monkeypatch.setattr(agent_loop, "grouped_kv_in_sdpa", lambda active: contextlib.nullcontext())
-        calls.clear()
-        torch.manual_seed(0)
-        episodes = play(hf_generate(model, tok), tok, [ShopEnv() for _ in tasks], tasks,
-                        settings=LoopSettings(max_turn_tokens=16, max_completion_length=200))  # fmt: skip
-        runs[name] = (episodes, list(calls))
-        assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
-
-    def prefills(cs):  # several query tokens over the 4 query heads (a decode step has one, or folded heads)
-        return [c for c in cs if c[0] == 4 and c[1] > 1]
-
-    grouped, repeated = runs["grouped"][1], runs["repeated"][1]
-    assert len(prefills(grouped)) == len(prefills(repeated)) > 0  # one per layer and turn
-    assert all(c[2:] == (2, True) for c in prefills(grouped))  # 2 key/value heads, grouped in the kernel
-    assert any(c[2] == 4 for c in prefills(repeated))  # transformers' repeat_kv under a mask (without one it groups)
-    assert [c for c in grouped if c not in prefills(grouped)] == [c for c in repeated if c not in prefills(repeated)]
-    for a, b in zip(runs["grouped"][0], runs["repeated"][0], strict=True):
-        assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
-
-
 class ScriptedCacheModel(torch.nn.Module):
     """A stand-in model with a real cache: every fed id is written into each layer's cache as its own key and value
     (a float), and row r's next id at step k is `script[r][k]` (the last entry repeats). The rows being decoded are

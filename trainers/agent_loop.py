@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import queue
 import threading
 import time
@@ -447,18 +446,16 @@ def sample_tokens(
     rows = torch.arange(n, device=ids.device)  # the rows being decoded, in the order of the cache's batch
     capacity = ids.shape[1] + max_new_tokens
     logps, sequences = [], ids
-    on_cpu = ids.device.type == "cpu"
     with torch.no_grad():
         for t in range(max_new_tokens):
-            with grouped_kv_in_sdpa(on_cpu and step_ids.shape[1] > 1):
-                logits = model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=step_positions,
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                ).logits[:, -1]
+            logits = model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
             history = sequences if len(rows) == n else sequences[rows]  # what a repetition penalty reads
             logp = torch.log_softmax(processors(history, logits.float()), dim=-1)  # (rows, V)
             if do_sample:
@@ -486,30 +483,6 @@ def sample_tokens(
     for layer in cache.layers:
         layer.widen(rows)
     return sequences, torch.stack(logps, 1)
-
-
-@contextlib.contextmanager
-def grouped_kv_in_sdpa(active: bool):
-    """Inside, transformers' SDPA attention passes grouped key/value heads to torch as they are (`enable_gqa`) rather
-    than repeating them to the number of query heads (`repeat_kv`), by its own switch `TRANSFORMERS_SDPA_FORCE_GQA`.
-
-    transformers repeats them for a query of several tokens under a mask, the case of a turn's prefill, because there
-    CUDA leaves its fused kernels for the math kernel. torch's CPU kernel takes both as they are, without the copy, and
-    gives the same output to the bit (tests/test_agent_loop.py); the saving is in the README's rollout benchmark.
-    One-token decode steps are left alone: transformers already folds the query heads there (`pack_gqa`)."""
-    if not active:
-        yield
-        return
-    name = "TRANSFORMERS_SDPA_FORCE_GQA"
-    before = os.environ.get(name)
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
 
 
 class _GrowingLayer(DynamicLayer):
