@@ -43,7 +43,7 @@ from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch, env_r
 logger = logging.getLogger(__name__)
 
 USES = ("bonus", "nodes")
-OPENING_WARN_SHARE = 0.9  # xtree.md D21: noisy shop tree 96/96 (collapsed), noise-free 64/96, terminal 39/160
+OPENING_WARN_SHARE = 0.9  # xtree.md D21: noisy shop tree 96/96 (collapsed), noise-free 64/96, terminal 60/170
 BONUS_MODES = ("auto", "depth", "success_coverage")
 MIXINGS = ("plain", "depth_curriculum")
 
