@@ -147,7 +147,10 @@ def instances_report(trajs, logs, tree, occ, args) -> str:
             for before, step in zip(["start", *t.tokens], t.tokens, strict=False):  # each step after the one before
                 corpus[before][step] += 1
     openings = instance_openings(rows)
-    fmt = lambda c: ", ".join(f"{k} {v}" for k, v in c.most_common())  # noqa: E731
+
+    def fmt(counts: Counter) -> str:
+        return ", ".join(f"{k} {v}" for k, v in counts.most_common())
+
     lines = [
         f"{len(rows)} instances from {len(tree.nodes)} skills; per depth "
         f"{dict(sorted(Counter(r['depth'] for r in rows).items()))}",
