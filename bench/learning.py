@@ -48,6 +48,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -325,6 +326,23 @@ def measured(rows: list[Row], threshold: float, at_rollouts: float) -> dict:
     return {"threshold": threshold, "at_rollouts": at_rollouts, "rows": out}
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def line_styles(methods: list[str], colors: dict[str, str]) -> list[tuple[str, str]]:
+    """(colour, line style) for a panel's lines, one per config, given each config's method. A method keeps its colour
+    (`colors`, extended with new methods in place) and its configs differ by line style; when one method has more
+    configs than there are line styles (an ablation), every config gets a colour of its own instead."""
+    if max(Counter(methods).values(), default=0) > len(LINE_STYLES):
+        return [(f"C{i % 10}", LINE_STYLES[i // 10 % len(LINE_STYLES)]) for i in range(len(methods))]
+    seen: Counter[str] = Counter()
+    out = []
+    for method in methods:
+        out.append((colors.setdefault(method, f"C{len(colors)}"), LINE_STYLES[seen[method] % len(LINE_STYLES)]))
+        seen[method] += 1
+    return out
+
+
 def plot(groups: dict[tuple[str, int], list[Row]], path: Path) -> None:
     """One panel per environment: mean training success over seeds with a min-max band, one line per config."""
     import matplotlib
@@ -335,17 +353,13 @@ def plot(groups: dict[tuple[str, int], list[Row]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4), squeeze=False)
     colors = {m: f"C{i}" for i, m in enumerate(METHODS)}  # one colour per method in every panel
     for ax, ((environment, difficulty), rows) in zip(axes[0], groups.items(), strict=True):
-        styles: dict[str, int] = {}  # configs of one method differ by line style
-        for row in rows:
+        for row, (color, style) in zip(rows, line_styles([row.method for row in rows], colors), strict=True):
             curves = [curve(r.summary) for r in row.runs]
             n = min(len(c) for c in curves)
             if n == 0:
                 continue
             xs = [p[0] for p in curves[0][:n]]
             ys = [[c[i][1] for c in curves] for i in range(n)]
-            color = colors.setdefault(row.method, f"C{len(colors)}")
-            style = ("-", "--", ":", "-.")[styles.setdefault(row.method, 0) % 4]
-            styles[row.method] += 1
             label = f"{row.method}: {row.name} (mean of {len(row.runs)})"
             ax.plot(xs, [statistics.mean(y) for y in ys], color=color, linestyle=style, label=label)
             ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=color, alpha=0.12)

@@ -188,3 +188,17 @@ def test_a_missing_run_is_trained_with_the_overrides(tmp_path, monkeypatch):
     folder = tmp_path / "quickstart@loss_type=dapo-s2"
     assert calls[0][1:] == [str(learning.ROOT / "train.py"), "--config", "configs/quickstart.yaml", "--seed", "2",
                             "--output_dir", str(folder), "--max_steps", "5", "--loss_type", "dapo"]  # fmt: skip
+
+
+def test_line_styles_keep_a_colour_per_method_and_give_an_ablation_a_colour_per_config():
+    colors = {m: f"C{i}" for i, m in enumerate(learning.METHODS)}  # as plot() starts: grpo C0, ppo C2, t1 C3
+    # a method's configs share its colour and differ by line style; a method not in METHODS takes the next colour
+    got = learning.line_styles(["grpo", "ppo", "ppo", "t1", "xtree", "ppo", "ppo"], colors)
+    assert got == [("C0", "-"), ("C2", "-"), ("C2", "--"), ("C3", "-"), ("C6", "-"), ("C2", ":"), ("C2", "-.")]
+    assert colors["xtree"] == "C6"  # kept for the next panel
+    # five configs of one method: more than the four line styles, so each config gets a colour of its own
+    assert learning.line_styles(["t1"] * 5 + ["grpo"], colors) == [(f"C{i}", "-") for i in range(6)]
+    # past ten colours the cycle repeats with the next line style
+    twelve = learning.line_styles(["t1"] * 12, colors)
+    assert twelve[9] == ("C9", "-") and twelve[10] == ("C0", "--") and twelve[11] == ("C1", "--")
+    assert learning.line_styles([], colors) == []
