@@ -215,10 +215,11 @@ def success_at(points: list[tuple[float, float]], rollouts: float) -> float | No
 
 
 def late_mean(summary: dict, metric: str) -> float | None:
-    """Mean of a logged metric over the last quarter of the run's logged steps (NaN entries skipped)."""
+    """Mean of a logged metric over the last quarter of the run's logged steps (NaN entries skipped; a stored
+    summary.json holds them as null)."""
     values = [row[metric] for row in summary["log_history"] if metric in row and "loss" in row]
     values = values[len(values) - max(1, len(values) // 4) :]
-    values = [v for v in values if not math.isnan(v)]
+    values = [v for v in values if v is not None and not math.isnan(v)]
     return statistics.mean(values) if values else None
 
 

@@ -56,6 +56,8 @@ def test_late_mean_uses_the_last_quarter_and_skips_nan():
     s = summary([0.1] * 8, ev=[-1.0] * 6 + [0.2, math.nan])
     assert learning.late_mean(s, "critic/explained_variance") == pytest.approx(0.2)
     assert learning.late_mean(s, "missing") is None
+    s = summary([0.1] * 8, ev=[-1.0] * 6 + [None, 0.4])  # how summary.json stores a NaN
+    assert learning.late_mean(s, "critic/explained_variance") == pytest.approx(0.4)
 
 
 def test_seconds_per_rollout_uses_train_runtime_not_wall_time():
