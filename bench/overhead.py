@@ -40,6 +40,7 @@ length in both modes, the warm-up's, the settings, library versions and machine)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -52,6 +53,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from bench.record import RESULTS, write_result  # noqa: E402
@@ -93,15 +95,34 @@ def random_model(env: str, folder: str) -> str:
     return folder
 
 
+def method_spec(spec: str) -> tuple[str, dict]:
+    """'mpo@critic_num_layers=1,critic_lr_multiplier=1' -> ('mpo', {'critic_num_layers': 1, ...}): a method with
+    settings of its config changed (values read as YAML scalars)."""
+    method, _, extra = spec.partition("@")
+    if method not in METHODS:
+        raise SystemExit(f"--methods {spec!r}: unknown method {method!r}; choose from {', '.join(METHODS)}")
+    overrides = [item for item in extra.split(",") if item]
+    bad = [item for item in overrides if "=" not in item]
+    if bad:
+        raise SystemExit(f"--methods {spec!r}: settings after '@' must be FIELD=VALUE, got {bad}")
+    settings = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in overrides)}
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(TRAINERS[method][1])})
+    if unknown:
+        raise SystemExit(f"--methods {spec!r}: {method}'s config has no field {', '.join(unknown)}")
+    return method, settings
+
+
 def step_seconds(
-    method: str, folder: str, env: str, opts: argparse.Namespace, workdir: str, learning_rate: float = 1e-3
+    spec: str, folder: str, env: str, opts: argparse.Namespace, workdir: str, learning_rate: float = 1e-3
 ) -> tuple[float, float | None, dict[str, float]]:
-    """Seconds per optimizer step of `method`, the run's mean completion length (tokens, model and environment), and
-    the `EXTRA` metrics the method logs, per optimizer step (their run means are per generation batch)."""
+    """Seconds per optimizer step of the method `spec` (a name, or a name with settings, see `method_spec`), the run's
+    mean completion length (tokens, model and environment), and the `EXTRA` metrics the method logs, per optimizer
+    step (their run means are per generation batch)."""
+    method, overrides = method_spec(spec)
     trainer_cls, config_cls = TRAINERS[method]
     source = load_environment(env, {}, 0)
     config = config_cls(
-        output_dir=os.path.join(workdir, method),
+        output_dir=os.path.join(workdir, spec.replace("@", "_").replace(",", "_").replace("=", "-")),
         per_device_train_batch_size=opts.batch_size,
         steps_per_generation=2,
         num_generations=opts.num_generations,
@@ -118,8 +139,9 @@ def step_seconds(
         save_strategy="no",
         logging_strategy="no",
         disable_tqdm=True,
-        **RECIPE.get(method, {}),
-        **({"alignopsd_teacher_max_tokens": opts.max_turn_tokens} if method == "alignopsd" else {}),
+        **RECIPE.get(method, {})
+        | ({"alignopsd_teacher_max_tokens": opts.max_turn_tokens} if method == "alignopsd" else {})
+        | overrides,
     )
     trainer = trainer_cls(
         model=folder,
@@ -229,7 +251,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument(
         "--num_generations", type=int, default=2, help="G (GiGPO and TASPO need groups; 2 is TRL's least)"
     )
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="grpo always runs first")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        help=f"from {', '.join(METHODS)}, each optionally with settings after '@' (FIELD=VALUE, comma-separated: "
+        "'mpo@critic_num_layers=1'); grpo always runs first",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead", help="folder for result.json and result.md")
     opts = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as workdir:
@@ -237,6 +265,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             folder = random_model(opts.env, os.path.join(workdir, "model"))
         else:
             folder = tiny_model(opts.model) if is_tiny(opts.model) else opts.model
+        for spec in opts.methods:
+            method_spec(spec)  # a misspelt method or setting fails before any run
         one = argparse.Namespace(**{**vars(opts), "steps": 1})
         methods = ["grpo", *(m for m in opts.methods if m != "grpo")]
         warmup = step_seconds("grpo", folder, opts.env, one, workdir)[0]

@@ -268,6 +268,49 @@ def test_separate_critic_own_group_and_warm_start(tiny_model_folder, tiny_tokeni
         make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path / "c", critic_init_path=str(tmp_path / "a/critic.pt"))
 
 
+def test_critic_num_layers_keeps_the_first_layers_and_the_final_norm(tiny_model_folder, tiny_tokenizer, tmp_path):
+    from transformers import AutoModel
+
+    trainer = make_trainer(
+        tiny_model_folder, tiny_tokenizer, tmp_path / "a", critic_model_name_or_path="policy", critic_num_layers=1
+    )
+    backbone = trainer.critic.backbone
+    assert len(backbone.layers) == 1 and backbone.config.num_hidden_layers == 1
+    assert len(trainer.model.model.layers) == 2  # the policy keeps its two layers
+    # reference: the full model's hidden state after its first layer, through the final norm, through the head
+    torch.manual_seed(0)
+    torch.nn.init.normal_(trainer.critic.head.weight)
+    full = AutoModel.from_pretrained(tiny_model_folder)
+    ids = torch.randint(5, 300, (2, 7))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
+    with torch.no_grad():
+        hidden = full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[1]  # (2, 7, H)
+        expected = trainer.critic.head(full.norm(hidden)).squeeze(-1)
+        got = trainer.critic(ids, mask)
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()])
+    trainer.train()  # trains and saves with the cut critic; a warm start needs the same cut
+    trainer.save_model(str(tmp_path / "a"))
+    warm = make_trainer(
+        tiny_model_folder,
+        tiny_tokenizer,
+        tmp_path / "b",
+        critic_model_name_or_path="policy",
+        critic_num_layers=1,
+        critic_init_path=str(tmp_path / "a" / "critic.pt"),
+    )
+    for (n, p), q in zip(trainer.critic.state_dict().items(), warm.critic.state_dict().values(), strict=True):
+        assert torch.equal(p, q), n
+    with pytest.raises(ValueError, match="only 2 decoder layers"):
+        make_trainer(
+            tiny_model_folder, tiny_tokenizer, tmp_path / "c", critic_model_name_or_path="policy", critic_num_layers=3
+        )
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", activation_checkpointing=False)
+    with pytest.raises(ValueError, match="needs a separate critic"):
+        PPOConfig(critic_num_layers=1, **common)
+    with pytest.raises(ValueError, match="critic_num_layers must be >= 1"):
+        PPOConfig(critic_model_name_or_path="policy", critic_num_layers=0, **common)
+
+
 def test_config_reward_selection_and_validation(tmp_path):
     common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", activation_checkpointing=False)
     f = reward_function(PPOConfig(reward="assertion_count", assertion_scale=4.0, **common))
