@@ -268,6 +268,37 @@ def test_separate_critic_own_group_and_warm_start(tiny_model_folder, tiny_tokeni
         make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path / "c", critic_init_path=str(tmp_path / "a/critic.pt"))
 
 
+@pytest.mark.parametrize("steps_per_generation", [2, 1])
+def test_value_head_old_values_share_trls_old_logprob_pass(
+    steps_per_generation, tiny_model_folder, tiny_tokenizer, tmp_path
+):
+    """With two minibatches per generation batch TRL runs a no-grad old-log-prob pass, and the value head reads V_old
+    off it: no value pass of its own. With one, TRL runs none and `old_values` makes its own. Either way V_old is the
+    head on the backbone's hidden states before any update, recomputed here by a plain forward."""
+    trainer = make_trainer(
+        tiny_model_folder,
+        tiny_tokenizer,
+        tmp_path,
+        max_steps=1,
+        steps_per_generation=steps_per_generation,
+        per_device_train_batch_size=8 // steps_per_generation,  # 8 rows per generation batch either way
+    )
+    torch.nn.init.normal_(trainer.critic.weight)  # values that differ by position
+    seen = capture_batches(trainer)
+    own_passes, original = [], trainer.forward_with_values
+
+    def counting(*args, **kwargs):
+        own_passes.append(torch.is_grad_enabled())
+        return original(*args, **kwargs)
+
+    trainer.forward_with_values = counting
+    trainer.train()
+    (batch, _, v_all), T = seen[0], seen[0][0].completion_ids.shape[1]
+    torch.testing.assert_close(batch.extras["old_values"], v_all[:, :-1][:, -T:].float())
+    no_grad_passes = own_passes.count(False)
+    assert no_grad_passes == (0 if steps_per_generation == 2 else 1)  # 8 rows: one chunk of 8 when it runs its own
+
+
 def test_critic_num_layers_keeps_the_first_layers_and_the_final_norm(tiny_model_folder, tiny_tokenizer, tmp_path):
     from transformers import AutoModel
 

@@ -240,6 +240,7 @@ class AgentPPOTrainer(AgentGRPOTrainer):
         base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
         hidden = base.config.get_text_config().hidden_size
         self._capture: list[Tensor] | None = None  # values the backbone hook collects while not None
+        self._old_pass_values: list[Tensor] | None = None  # a value head's values from TRL's old-log-prob pass
         if args.critic_model_name_or_path is None:
             self.critic: nn.Module = zero_value_head(hidden)
             base.value_head = self.critic  # a submodule of the policy: optimizer and DDP pick it up
@@ -288,14 +289,44 @@ class AgentPPOTrainer(AgentGRPOTrainer):
             self._capture = None
         return logps, entropies, aux, values
 
+    def _generate_and_score_completions(self, inputs):
+        """The base's, with a value head's values read off TRL's old-log-prob pass when TRL runs one (minibatches
+        after the first are off-policy): the backbone forward that gives the old log-probs feeds the head too, so
+        `old_values` needs no pass of its own (ppo.md D1). Not under MoE routing replay, where that pass replays the
+        rollout's routes while values route freely (routing-replay.md D7)."""
+        share = not isinstance(self.critic, Critic) and not self.routing_replay.active
+        self._old_pass_values = [] if share else None
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self._old_pass_values = None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
+        if self._old_pass_values is None or torch.is_grad_enabled() or self._capture is not None:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+        self._capture = []  # the value hook fills it, one entry per chunk of the pass
+        try:
+            out = super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+            self._old_pass_values.extend(self._capture)
+        finally:
+            self._capture = None
+        return out
+
     @torch.no_grad()
     def old_values(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """V_old before each completion token (B, T) and after each (B, T), float32, from a no-grad forward in chunks
-        of `per_device_train_batch_size` rows: the critic's alone when it is separate, else the policy's (whose
-        backbone feeds the value head; its log-probs are not needed)."""
+        """V_old before each completion token (B, T) and after each (B, T), float32: a value head's are read off TRL's
+        old-log-prob pass when it ran (`_generate_and_score_completions`); otherwise they come from a no-grad forward
+        in chunks of `per_device_train_batch_size` rows, the critic's alone when it is separate, else the policy's
+        (whose backbone feeds the value head; its log-probs are not needed)."""
+        (B, T), n = batch.completion_ids.shape, self.args.per_device_train_batch_size
+        if self._old_pass_values:
+            values = torch.cat(self._old_pass_values, dim=0)  # (B, L)
+            L = batch.prompt_ids.shape[1] + T
+            if values.shape != (B, L):
+                raise RuntimeError(f"the old-log-prob pass valued {tuple(values.shape)} positions, expected {(B, L)}")
+            return values[:, :-1][:, -T:], values[:, -T:]
         keys = {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask}
         keys.update(completion_ids=batch.completion_ids, completion_mask=batch.completion_mask)
-        (B, T), n = batch.completion_ids.shape, self.args.per_device_train_batch_size
         separate, chunks = isinstance(self.critic, Critic), []
         with self.free_routing():  # MoE replay: the rollout's routes are gone by now; values route freely
             for s in range(0, B, n):
