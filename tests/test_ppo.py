@@ -292,10 +292,22 @@ def test_value_head_old_values_share_trls_old_logprob_pass(
         return original(*args, **kwargs)
 
     trainer.forward_with_values = counting
+    estimate, own = trainer.estimate_advantages, []
+
+    def with_own_pass(batch, *args, **kwargs):  # after V_old, before any update: the values of a pass of its own
+        shared, trainer._old_pass_values = trainer._old_pass_values, None
+        try:
+            own.append(trainer.old_values(batch)[0])
+        finally:
+            trainer._old_pass_values = shared
+        return estimate(batch, *args, **kwargs)
+
+    trainer.estimate_advantages = with_own_pass
     trainer.train()
     (batch, _, v_all), T = seen[0], seen[0][0].completion_ids.shape[1]
     torch.testing.assert_close(batch.extras["old_values"], v_all[:, :-1][:, -T:].float())
-    no_grad_passes = own_passes.count(False)
+    assert torch.equal(batch.extras["old_values"], own[0])  # the shared values are those of the own pass, bit for bit
+    no_grad_passes = own_passes.count(False) - 8 // trainer.args.per_device_train_batch_size  # less this test's own
     assert no_grad_passes == (0 if steps_per_generation == 2 else 1)  # 8 rows: one chunk of 8 when it runs its own
 
 

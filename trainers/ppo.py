@@ -292,7 +292,7 @@ class AgentPPOTrainer(AgentGRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         """The base's, with a value head's values read off TRL's old-log-prob pass when TRL runs one (minibatches
         after the first are off-policy): the backbone forward that gives the old log-probs feeds the head too, so
-        `old_values` needs no pass of its own (ppo.md D1). Not under MoE routing replay, where that pass replays the
+        `old_values` needs no pass of its own (ppo.md D7). Not under MoE routing replay, where that pass replays the
         rollout's routes while values route freely (routing-replay.md D7)."""
         share = not isinstance(self.critic, Critic) and not self.routing_replay.active
         self._old_pass_values = [] if share else None
