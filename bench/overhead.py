@@ -21,6 +21,9 @@ calls) are episodes and requests, counted per run in summary.json's `funnel.roll
 (`xtree_use: bonus`): the tree is mined when the trainer is built (not timed, about a second); each step adds the
 bonus reward function (canonicalising and encoding every rollout's actions) and the per-group rescaling.
 
+A method may carry settings of its config after `@` (`--methods grpo mpo "mpo@critic_num_layers=1"`): it is then a
+row of its own, named as written.
+
 Each method runs twice: learning (learning rate 1e-3), where every method plays its own episodes and their lengths
 drift apart as the policies move (a policy that learns shorter episodes generates and trains faster), and with the
 policy frozen (learning rate 0: every forward, backward and optimizer step still runs), where every method plays the

@@ -109,3 +109,18 @@ def test_failed_write_leaves_the_old_result_and_no_partial_file(tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):  # interrupted at the first move: nothing in the new folder
         record.write_result(fresh, "overhead", {}, {"seconds_per_step": {"grpo": 2.0}}, "| method |")
     assert list(fresh.iterdir()) == []
+
+
+def test_overhead_method_settings_after_at():
+    from bench import overhead
+
+    assert overhead.method_spec("grpo") == ("grpo", {})
+    name, settings = overhead.method_spec("ppo@critic_model_name_or_path=policy,critic_num_layers=1")
+    assert name == "ppo" and settings == {"critic_model_name_or_path": "policy", "critic_num_layers": 1}
+    for bad, message in [
+        ("mop", "unknown method"),
+        ("mpo@critic_num_layers", "FIELD=VALUE"),
+        ("mpo@layers=1", "no field"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            overhead.method_spec(bad)
