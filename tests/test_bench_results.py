@@ -1,5 +1,5 @@
 """The benches' result folders: bench/record.py writes result.json and result.md, atomically; bench/rollout.py's
-summary and table on a synthetic run."""
+summary and table on a synthetic run; bench/overhead.py's method settings."""
 
 import json
 import sys

@@ -625,7 +625,8 @@ class _PrefixCache:
         rows, kept = zip(*matched, strict=True)
         width = self.sequences.shape[1]
         start = width - self.sequences_new  # first sampled position of the last call
-        self.cache.batch_select_indices(torch.tensor(rows, device=self.cache_device))
+        if rows != tuple(range(len(self.contexts))):  # some episodes ended: keep the cache rows of the others
+            self.cache.batch_select_indices(torch.tensor(rows, device=self.cache_device))
         base_mask = self.mask[list(rows), : width - 1].clone()
         for j, n in enumerate(kept):
             base_mask[j, start + n :] = 0  # sampled ids the episode did not keep, or that are fed again below
