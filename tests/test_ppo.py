@@ -245,6 +245,16 @@ def test_lora_value_head_trains_alongside_the_adapter(tiny_model_folder, tiny_to
     torch.testing.assert_close(state["weight"], trainer.critic.weight.detach())
 
 
+def check_warm_start(trainer, folder, tokenizer, tmp_path, **critic) -> None:
+    """Save `trainer` into tmp_path/a; a new trainer with the same critic settings and `critic_init_path` pointing at
+    the saved critic.pt must hold exactly the same critic weights (t1.md D3)."""
+    trainer.save_model(str(tmp_path / "a"))
+    saved = str(tmp_path / "a" / "critic.pt")
+    warm = make_trainer(folder, tokenizer, tmp_path / "b", critic_init_path=saved, **critic)
+    for (n, p), q in zip(trainer.critic.state_dict().items(), warm.critic.state_dict().values(), strict=True):
+        assert torch.equal(p, q), n
+
+
 def test_separate_critic_own_group_and_warm_start(tiny_model_folder, tiny_tokenizer, tmp_path):
     trainer = make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path / "a", critic_model_name_or_path="policy")
     critic_ids = {id(p) for p in trainer.critic.parameters()}
@@ -253,17 +263,8 @@ def test_separate_critic_own_group_and_warm_start(tiny_model_folder, tiny_tokeni
     before = snapshot(trainer.model)
     trainer.train()
     assert all(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
-    trainer.save_model(str(tmp_path / "a"))
     # warm start (t1.md D3): a new run loads the critic weights exactly; mismatching names raise
-    warm = make_trainer(
-        tiny_model_folder,
-        tiny_tokenizer,
-        tmp_path / "b",
-        critic_model_name_or_path="policy",
-        critic_init_path=str(tmp_path / "a" / "critic.pt"),
-    )
-    for (n, p), q in zip(trainer.critic.state_dict().items(), warm.critic.state_dict().values(), strict=True):
-        assert torch.equal(p, q), n
+    check_warm_start(trainer, tiny_model_folder, tiny_tokenizer, tmp_path, critic_model_name_or_path="policy")
     with pytest.raises(RuntimeError):
         make_trainer(tiny_model_folder, tiny_tokenizer, tmp_path / "c", critic_init_path=str(tmp_path / "a/critic.pt"))
 
@@ -332,17 +333,9 @@ def test_critic_num_layers_keeps_the_first_layers_and_the_final_norm(tiny_model_
         got = trainer.critic(ids, mask)
     torch.testing.assert_close(got[mask.bool()], expected[mask.bool()])
     trainer.train()  # trains and saves with the cut critic; a warm start needs the same cut
-    trainer.save_model(str(tmp_path / "a"))
-    warm = make_trainer(
-        tiny_model_folder,
-        tiny_tokenizer,
-        tmp_path / "b",
-        critic_model_name_or_path="policy",
-        critic_num_layers=1,
-        critic_init_path=str(tmp_path / "a" / "critic.pt"),
+    check_warm_start(
+        trainer, tiny_model_folder, tiny_tokenizer, tmp_path, critic_model_name_or_path="policy", critic_num_layers=1
     )
-    for (n, p), q in zip(trainer.critic.state_dict().items(), warm.critic.state_dict().values(), strict=True):
-        assert torch.equal(p, q), n
     with pytest.raises(ValueError, match="only 2 decoder layers"):
         make_trainer(
             tiny_model_folder, tiny_tokenizer, tmp_path / "c", critic_model_name_or_path="policy", critic_num_layers=3
