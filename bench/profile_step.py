@@ -11,7 +11,7 @@ trainer's own functions are wrapped by timers that keep exclusive time (a region
 inside it):
 
 - generation: the model's `generate` calls in the agent loop (prefill and decode);
-- environment: `step_all` (every environment's `step` of a turn);
+- environment: `reset_all` and `step_all` (every environment's `reset` and its `step` of each turn);
 - agent loop, other: the rest of an episode batch (tokenising observations, bookkeeping, padding);
 - no-grad forwards: TRL's log-prob forwards outside the loss (old or reference log-probs, a value head's values,
   teacher passes) and a separate critic's forwards without gradient (`critic_values`);
@@ -133,18 +133,19 @@ def instrument(trainer, prof: Profiler) -> None:
 @contextmanager
 def agent_loop_timers(prof: Profiler):
     """The agent loop's module functions, timed while the block runs."""
-    saved = agent_loop.play, agent_loop.step_all, agent_loop.hf_generate
+    saved = agent_loop.play, agent_loop.reset_all, agent_loop.step_all, agent_loop.hf_generate
 
     def hf_generate(*args, **kwargs):
-        return prof.wrap("generation", saved[2](*args, **kwargs))
+        return prof.wrap("generation", saved[3](*args, **kwargs))
 
     agent_loop.play = prof.wrap("agent loop, other", saved[0])
-    agent_loop.step_all = prof.wrap("environment", saved[1])
+    agent_loop.reset_all = prof.wrap("environment", saved[1])
+    agent_loop.step_all = prof.wrap("environment", saved[2])
     agent_loop.hf_generate = hf_generate
     try:
         yield
     finally:
-        agent_loop.play, agent_loop.step_all, agent_loop.hf_generate = saved
+        agent_loop.play, agent_loop.reset_all, agent_loop.step_all, agent_loop.hf_generate = saved
 
 
 def profile(method: str, beta: float, folder: str, opts: argparse.Namespace, workdir: str) -> dict:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import queue
 import threading
@@ -116,6 +117,12 @@ def observation_text(tokenizer, observation: str, role: str = "user") -> str:
     return full[anchor + len(sentinel) + len(eos) :]
 
 
+def reset_all(envs: Sequence[Env], tasks: Sequence[dict]) -> list:
+    """Each environment's first observation (`env.reset(task)`), in order. One function, like `step_all`, so that the
+    environment's own work is timed as such (bench/profile_step.py)."""
+    return [env.reset(task) for env, task in zip(envs, tasks, strict=True)]
+
+
 def step_all(
     envs: Sequence[Env], actions: Sequence[str], timeout: float, workers: int = 8
 ) -> list[tuple[str, float, bool, dict]]:
@@ -172,8 +179,7 @@ def play(
     eos_id = tokenizer.eos_token_id
     rollouts, turns, last_obs = [], [], []  # last_obs: the observation before each env's next turn (state keys)
     prompt_ids: dict[str, list[int]] = {}  # a group's G episodes share their prompt: rendered once per call
-    for i, (env, task) in enumerate(zip(envs, tasks, strict=True)):
-        first = env.reset(task)
+    for i, (env, first) in enumerate(zip(envs, reset_all(envs, tasks), strict=True)):
         if isinstance(first, list):  # a conversation so far (e.g. a replayed prefix): it is the whole prompt
             messages, first = copy.deepcopy(first), first[-1]["content"]
         else:
@@ -237,6 +243,7 @@ def play(
             action = tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=False)
             steps.append((i, action, closed))
         results = step_all([envs[i] for i, _, _ in steps], [a for _, a, _ in steps], settings.env_timeout)
+        going_on = []  # (episode, observation key, whether its turn closed) of the episodes that take another turn
         for (i, action, closed), (observation, reward, done, info) in zip(steps, results, strict=True):
             r = rollouts[i]
             r.turn_rewards.append(float(reward))
@@ -254,10 +261,13 @@ def play(
                 r.continues = r.truncated and envs[i].continues_past_cut
                 bar.update(1)
                 continue
-            key = (observation, envs[i].observation_role)  # a group's episodes often see the same observation
-            if key not in rendered:
-                text = observation_text(tokenizer, observation, envs[i].observation_role)
-                rendered[key] = tokenizer(text, add_special_tokens=False)["input_ids"]
+            going_on.append((i, (observation, envs[i].observation_role), closed))
+        new = [key for key in dict.fromkeys(key for _, key, _ in going_on) if key not in rendered]
+        if new:  # a group's episodes often see the same observation: each is rendered once, all in one tokenizer call
+            texts = [observation_text(tokenizer, observation, role) for observation, role in new]
+            rendered.update(zip(new, tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True))
+        for i, key, closed in going_on:
+            r = rollouts[i]
             obs_ids = list(rendered[key])
             if not closed:
                 obs_ids = [eos_id] + obs_ids
@@ -674,8 +684,10 @@ class _PrefixCache:
 def left_padded(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows left-padded with `pad` to the longest, and their attention mask: (ids, mask), each (len(rows), width)."""
     width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    flat = itertools.chain.from_iterable([pad] * (width - len(r)) + r for r in rows)  # one flat list: half the time
+    ids = torch.tensor(list(flat), dtype=torch.long).view(len(rows), width).to(device)
+    starts = torch.tensor([width - len(r) for r in rows]).unsqueeze(1)
+    mask = (torch.arange(width).unsqueeze(0) >= starts).long().to(device)
     return ids, mask
 
 

@@ -607,9 +607,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         settings = (logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal)
         scored, self._scored_next = self._scored_next, None  # one forward: the loss's own
         if scored is None and self._batch_env_mask is not None and len(self._batch_env_mask) == input_ids.size(0):
-            scored = torch.zeros(input_ids.size(0), logits_to_keep, dtype=torch.long)  # TRL's old / reference pass
-            for row, env_mask in zip(scored, self._batch_env_mask, strict=True):
-                row[: len(env_mask)] = torch.tensor(env_mask[:logits_to_keep])
+            T = logits_to_keep  # TRL's old / reference pass: the model's tokens of each row, 0 past its end
+            scored = torch.tensor([m[:T] + [0] * (T - len(m[:T])) for m in self._batch_env_mask], dtype=torch.long)
         if scored is None:
             return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
         if scored.shape != (input_ids.size(0), logits_to_keep):
