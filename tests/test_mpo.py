@@ -152,3 +152,21 @@ def test_mpo_loss_type_aggregates_actor_and_critic(loss_type, tiny_model_folder,
         env_factory=lambda row: AlternatingEcho(),
     )  # fmt: skip
     check_loss_aggregation(trainer, loss_type)
+
+
+def test_mpo_with_a_detached_value_head(tiny_model_folder, tiny_tokenizer, tmp_path):
+    """ppo.md D14 under MPO: the head and the actor both train, the head in its own group at 15x, and the explained
+    variance is that of the head on V_old read off TRL's old-log-prob pass."""
+    trainer = make_trainer(
+        tiny_model_folder, tiny_tokenizer, tmp_path, critic_model_name_or_path=None, value_head_detached=True,
+        value_head_hidden=8,
+    )  # fmt: skip
+    assert trainer.model.value_head is trainer.critic
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert all(math.isfinite(x) for x in logged(trainer, "loss"))
+    unchanged = [n for n, p in trainer.model.named_parameters() if torch.equal(before[n], p)]
+    assert unchanged == []  # the actor (its own loss) and the head (the value loss) both moved
+    groups = {g["role"]: g["lr"] for g in trainer.optimizer.param_groups}
+    assert groups == {"actor": 1e-2, "critic": pytest.approx(1.5e-1)}
+    assert len(logged(trainer, "critic/explained_variance")) == 1

@@ -19,6 +19,7 @@ from datasets import Dataset
 from trainers.advantages import place_turn_rewards, token_gae
 from trainers.base import reward_function
 from trainers.losses import LOSS_TYPES
+from trainers.mpo import MPOConfig
 from trainers.ppo import AgentPPOTrainer, PPOConfig
 
 
@@ -449,3 +450,44 @@ def test_value_head_pass_without_logps_skips_the_lm_head(tiny_model_folder, tiny
     assert rows == [5, 0]  # the loss mask's 3 + 2 completion tokens, then none
     torch.testing.assert_close(only_values, values, rtol=0, atol=0)
     assert values.abs().sum() > 0 and (no_logps == 0).all() and (logps[inputs["completion_mask"].bool()] != 0).all()
+
+
+@pytest.mark.parametrize("detached", [True, False])
+def test_detached_value_head_leaves_the_actor_gradient_alone(detached, tiny_model_folder, tiny_tokenizer, tmp_path):
+    """ppo.md D14: with the head detached, the backbone's gradient is the same whatever the value loss weighs, and the
+    head still learns; attached, the value loss reaches the backbone (so the check can fail)."""
+    trainer = make_trainer(
+        tiny_model_folder, tiny_tokenizer, tmp_path, value_head_detached=detached, value_head_hidden=8,
+        learning_rate=0.0, max_steps=1,
+    )  # fmt: skip
+    seen, original = [], trainer.policy_loss
+    trainer.policy_loss = lambda model, inputs: seen.append(inputs) or original(model, inputs)
+    trainer.train()
+    trainer.policy_loss = original
+    torch.manual_seed(0)
+    for p in trainer.critic.parameters():  # a head whose output is not 0, so its input's gradient is not 0 either
+        torch.nn.init.normal_(p, std=0.5)
+
+    def grads(vf_coef: float) -> dict[str, torch.Tensor]:
+        trainer.model.zero_grad()
+        trainer.args.vf_coef = vf_coef
+        trainer.policy_loss(trainer.model, seen[0]).backward()
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+    with_value_loss, without = grads(1.0), grads(0.0)
+    backbone = [n for n in with_value_loss if not n.startswith("value_head.")]
+    assert len(backbone) > 1
+    assert all(torch.equal(with_value_loss[n], without[n]) for n in backbone) == detached
+    head = [n for n in with_value_loss if n.startswith("value_head.")]
+    assert len(head) == 4 and all(with_value_loss[n].abs().sum() > 0 for n in head)  # two layers: weights and biases
+
+
+def test_value_head_options_need_the_value_head(tmp_path):
+    with pytest.raises(ValueError, match="value_head_detached shapes the value head"):
+        PPOConfig(output_dir=str(tmp_path), critic_model_name_or_path="policy", value_head_detached=True, **CPU_ARGS)
+    with pytest.raises(ValueError, match="value_head_hidden must be >= 1"):
+        PPOConfig(output_dir=str(tmp_path), value_head_hidden=0, **CPU_ARGS)
+    config = MPOConfig(
+        output_dir=str(tmp_path), critic_model_name_or_path="none", value_head_detached=True, **CPU_ARGS
+    )
+    assert config.critic_model_name_or_path is None  # the command line's way to unset MPO's separate critic

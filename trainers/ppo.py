@@ -125,8 +125,9 @@ class PPOConfig(AgentGRPOConfig):
     critic_model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "None: value head on the policy's backbone. A path or Hub id: a separate critic (that causal LM's "
-            "backbone plus a head); 'policy' loads the policy's own starting checkpoint as the critic (t1.md D2)."
+            "help": "None: value head on the policy's backbone ('none' on the command line, e.g. to unset MPO's "
+            "default). A path or Hub id: a separate critic (that causal LM's backbone plus a head); 'policy' loads "
+            "the policy's own starting checkpoint as the critic (t1.md D2)."
         },
     )
     critic_num_layers: int | None = field(
@@ -134,6 +135,22 @@ class PPOConfig(AgentGRPOConfig):
         metadata={
             "help": "Keep only the first N decoder layers of a separate critic (its final norm and the head follow "
             "layer N): a cheaper critic, in step time and memory, than a full copy of the policy. None keeps all."
+        },
+    )
+    value_head_detached: bool = field(
+        default=False,
+        metadata={
+            "help": "The value head reads the policy's last hidden states without sending its loss's gradient into "
+            "them: the value loss trains the head alone, at critic_lr_multiplier x the learning rate, and the actor's "
+            "gradient is the one it would be with no critic. A critic at almost no extra cost, with the policy's own "
+            "features (ppo.md D14). Only with the value head (critic_model_name_or_path unset)."
+        },
+    )
+    value_head_hidden: int | None = field(
+        default=None,
+        metadata={
+            "help": "Width of a hidden layer in the value head (hidden size -> N -> GELU -> 1); None: one linear map "
+            "(ppo.md D14). Only with the value head."
         },
     )
     critic_init_path: str | None = field(
@@ -155,6 +172,9 @@ class PPOConfig(AgentGRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        critic = self.critic_model_name_or_path
+        if isinstance(critic, str) and critic.lower() in ("none", "null"):
+            self.critic_model_name_or_path = None  # the command line's way to ask for the value head
         if self.beta != 0.0:
             raise ValueError(
                 f"beta must be 0: the critic trainers have no KL term (t1.md §5), got {self.beta}; pass --beta 0 "
@@ -176,6 +196,15 @@ class PPOConfig(AgentGRPOConfig):
             raise ValueError(f"critic_lr_multiplier must be > 0, got {self.critic_lr_multiplier}")
         if self.critic_warmup_steps < 0:
             raise ValueError(f"critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}")
+        if self.critic_model_name_or_path is not None:
+            for name in ("value_head_detached", "value_head_hidden"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(
+                        f"{name} shapes the value head on the policy's backbone, but critic_model_name_or_path "
+                        f"({self.critic_model_name_or_path!r}) asks for a separate critic; unset one of them"
+                    )
+        if self.value_head_hidden is not None and self.value_head_hidden < 1:
+            raise ValueError(f"value_head_hidden must be >= 1, got {self.value_head_hidden}")
         if self.critic_num_layers is not None:
             if self.critic_model_name_or_path is None:
                 raise ValueError(
@@ -186,11 +215,12 @@ class PPOConfig(AgentGRPOConfig):
                 raise ValueError(f"critic_num_layers must be >= 1, got {self.critic_num_layers}")
 
 
-def zero_value_head(hidden_size: int) -> nn.Linear:
-    head = nn.Linear(hidden_size, 1)
+def zero_value_head(hidden_size: int, width: int | None = None) -> nn.Module:
+    """A scalar head whose output starts at 0: one zero linear map, or hidden -> width -> GELU -> a zero linear map."""
+    head = nn.Linear(hidden_size if width is None else width, 1)
     nn.init.zeros_(head.weight)
     nn.init.zeros_(head.bias)
-    return head
+    return head if width is None else nn.Sequential(nn.Linear(hidden_size, width), nn.GELU(), head)
 
 
 def keep_first_layers(backbone: nn.Module, n: int) -> None:
@@ -242,7 +272,7 @@ class AgentPPOTrainer(AgentGRPOTrainer):
         self._capture: list[Tensor] | None = None  # values the backbone hook collects while not None
         self._old_pass_values: list[Tensor] | None = None  # a value head's values from TRL's old-log-prob pass
         if args.critic_model_name_or_path is None:
-            self.critic: nn.Module = zero_value_head(hidden)
+            self.critic: nn.Module = zero_value_head(hidden, args.value_head_hidden)
             base.value_head = self.critic  # a submodule of the policy: optimizer and DDP pick it up
             base.base_model.register_forward_hook(self._value_hook)
         else:
@@ -264,7 +294,10 @@ class AgentPPOTrainer(AgentGRPOTrainer):
     def _value_hook(self, module, args, output) -> None:
         if self._capture is not None:
             hidden = output.last_hidden_state  # (B, L, H)
-            self._capture.append(self.critic(hidden.to(self.critic.weight.dtype)).squeeze(-1).float())  # (B, L)
+            if self.args.value_head_detached:  # ppo.md D14: the value loss trains the head alone
+                hidden = hidden.detach()
+            dtype = next(self.critic.parameters()).dtype
+            self._capture.append(self.critic(hidden.to(dtype)).squeeze(-1).float())  # (B, L)
 
     def critic_values(self, inputs: dict) -> Tensor:
         """A separate critic's values (B, L) at every position of prompt + completion, with no policy forward."""
