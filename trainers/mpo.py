@@ -5,7 +5,8 @@ deliberate second base.
 What changes relative to GRPO (and to `AgentPPOTrainer`, whose critic, value loss and T1 options it keeps):
 
 1. **Critic instead of group baseline** (mpo.md §2 item 1): a separate critic by default
-   (`critic_model_name_or_path: policy`, D12: no shared-trunk head in MPO runs), at 15x the actor's learning rate.
+   (`critic_model_name_or_path: policy`, D12: no shared-trunk head in MPO runs), at 15x the actor's learning rate; or a
+   head on the policy's detached hidden states (`value_head_detached`, ppo.md D14), which trains nothing of the actor.
 2. **Turn-scale GAE is primary** (Eq. 5-6, lambda 0.8): one TD step per assistant turn; the turn's value is read at
    the position predicting its first token (Eq. 3). Discounting counts turns, not tokens (D10).
 3. **Token scale only redistributes** (Eq. 7-11): an intra-turn token GAE (lambda_intra 0.95) that never crosses a turn
