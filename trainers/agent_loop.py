@@ -684,7 +684,7 @@ class _PrefixCache:
 def left_padded(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows left-padded with `pad` to the longest, and their attention mask: (ids, mask), each (len(rows), width)."""
     width = max(len(r) for r in rows)
-    flat = itertools.chain.from_iterable([pad] * (width - len(r)) + r for r in rows)  # one flat list: half the time
+    flat = itertools.chain.from_iterable([pad] * (width - len(r)) + r for r in rows)  # one flat list (cheaper)
     ids = torch.tensor(list(flat), dtype=torch.long).view(len(rows), width).to(device)
     starts = torch.tensor([width - len(r) for r in rows]).unsqueeze(1)
     mask = (torch.arange(width).unsqueeze(0) >= starts).long().to(device)
