@@ -89,6 +89,55 @@ def _score_labelled_positions_on_cpu() -> None:
 _score_labelled_positions_on_cpu()
 
 
+def _share_key_heads_on_cpu() -> None:
+    """Let `sdpa` attention read grouped key/value heads in place on CPU (docs/methods/grpo.md D14).
+
+    A model whose query heads share key/value heads (grouped-query attention, as the tiny default's 4 query heads
+    share 2) reaches `torch.nn.functional.scaled_dot_product_attention` through transformers' `sdpa_attention_forward`.
+    With an attention mask, it passes `enable_gqa` only where `use_gqa_in_sdpa` allows, which excludes the CPU, and
+    otherwise copies every key and value head once per query head it serves (`repeat_kv`) before each call, in every
+    prefill, reference forward and loss forward. PyTorch's CPU kernels take `enable_gqa` with a mask and give the same
+    result (tested), so on CPU tensors the copy is skipped; other devices keep transformers' own choice (on CUDA a mask
+    with `enable_gqa` would fall back to the slow math kernel)."""
+    from transformers.integrations import sdpa_attention
+
+    allowed = sdpa_attention.use_gqa_in_sdpa
+    if getattr(allowed, "shares_key_heads_on_cpu", False):
+        return
+
+    @functools.wraps(allowed)  # `__wrapped__`: transformers' own choice
+    def use_gqa(attention_mask, key: torch.Tensor, value: torch.Tensor) -> bool:
+        return key.device.type == "cpu" or allowed(attention_mask, key, value)
+
+    use_gqa.shares_key_heads_on_cpu = True
+    sdpa_attention.use_gqa_in_sdpa = use_gqa
+
+
+_share_key_heads_on_cpu()
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's allocator to keep freed memory for reuse instead of handing it back to the system (D14).
+
+    A training step on CPU allocates and frees many tensors of a few to a few tens of MB (activations of a 64-episode
+    batch). glibc serves those under 32 MB from its heap but gives a free region at the top of the heap back to the
+    system once it passes `M_TRIM_THRESHOLD`, so the next step page-faults it in again, zeroed. With no trim and a
+    fixed 32 MB `M_MMAP_THRESHOLD` (its largest value), freed blocks stay in the heap and are reused. The process keeps
+    its peak heap size; blocks of 32 MB or more are still mapped and unmapped as before. Returns False (and changes
+    nothing) where the C library is not glibc. Called once per process by the trainer when the policy is on CPU."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # musl, macOS: other allocators
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+    return bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)) and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20))
+
+
 class _ScoredLabels(AbstractContextManager):
     """While open, each fused-head call of `model` (TRL's `model(..., labels=labels, fused_lm_head=True)`) gets label
     -100 on the completion positions where `scored` (B, T) is 0, so the head projects only the model's own tokens and
@@ -449,6 +498,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         self._unscorable_streak: list[float] = []  # unscorable fractions of the last batches above the guard's bound
         if self.routing_replay.setup(self.accelerator.unwrap_model(self.model)):  # refuses unsupported setups
             self.aux_loss_enabled = False  # router_aux_loss_coef is 0.0 (AgentGRPOConfig.__post_init__, D10)
+        if self.accelerator.device.type == "cpu":
+            keep_freed_memory()  # D14: a CPU step reuses its freed activations instead of faulting them in again
 
     def _attach_scheduler(self, args, train_dataset):
         """EnvSched over the training tasks (docs/methods/envsched.md): every task's environment (its task's `env`
