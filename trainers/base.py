@@ -21,7 +21,9 @@ Private TRL methods overridden here, pinned by `tests/test_trl_parity.py`: `_gen
 `_calculate_rewards`, `_compute_loss`, `_get_per_token_logps_and_entropies`, `_get_train_sampler` (EnvSched's sampler
 under `scheduler: envsched`, trainers/envsched.py; plus the public `training_step`), TRL's module-level
 `trl.trainer.utils._use_triton` (wrapped so that its fused log-prob head scores only labelled positions on CPU too,
-docs/methods/grpo.md D12; `tests/test_trl_parity.py::test_fused_head_scores_only_labelled_positions_on_cpu`), and
+docs/methods/grpo.md D12; `tests/test_trl_parity.py::test_fused_head_scores_only_labelled_positions_on_cpu`),
+transformers' module-level `transformers.integrations.sdpa_attention.use_gqa_in_sdpa` (wrapped so that attention
+reads grouped key/value heads without copying them on CPU, D14; `tests/test_cpu_paths.py`), and
 transformers' `_save_checkpoint` / `_load_from_checkpoint`, which also write and read `monitor_state()`
 (`agent_state.json`: the collapse alarm's and the no-signal guard's memory, and what subclasses add), so a resumed run
 warns and stops where the uninterrupted one would.
