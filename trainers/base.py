@@ -98,9 +98,9 @@ def _share_key_heads_on_cpu() -> None:
     share 2) reaches `torch.nn.functional.scaled_dot_product_attention` through transformers' `sdpa_attention_forward`.
     With an attention mask, it passes `enable_gqa` only where `use_gqa_in_sdpa` allows, which excludes the CPU, and
     otherwise copies every key and value head once per query head it serves (`repeat_kv`) before each call, in every
-    prefill, reference forward and loss forward. PyTorch's CPU kernels take `enable_gqa` with a mask and give the same
-    result (tested), so on CPU tensors the copy is skipped; other devices keep transformers' own choice (on CUDA a mask
-    with `enable_gqa` would fall back to the slow math kernel)."""
+    prefill, reference forward and loss forward. PyTorch's CPU kernels take `enable_gqa` with a mask and give the
+    same result up to float rounding (tested), so on CPU tensors the copy is skipped; other devices keep transformers'
+    own choice (on CUDA a mask with `enable_gqa` would fall back to the slow math kernel)."""
     from transformers.integrations import sdpa_attention
 
     allowed = sdpa_attention.use_gqa_in_sdpa
@@ -122,11 +122,12 @@ def keep_freed_memory() -> bool:
     """Ask glibc's allocator to keep freed memory for reuse instead of handing it back to the system (D14).
 
     A training step on CPU allocates and frees many tensors of a few to a few tens of MB (activations of a 64-episode
-    batch). glibc serves those under 32 MB from its heap but gives a free region at the top of the heap back to the
-    system once it passes `M_TRIM_THRESHOLD`, so the next step page-faults it in again, zeroed. With no trim and a
-    fixed 32 MB `M_MMAP_THRESHOLD` (its largest value), freed blocks stay in the heap and are reused. The process keeps
-    its peak heap size; blocks of 32 MB or more are still mapped and unmapped as before. Returns False (and changes
-    nothing) where the C library is not glibc. Called once per process by the trainer when the policy is on CPU."""
+    batch). glibc unmaps the blocks it mapped on their own (above its adaptive `M_MMAP_THRESHOLD`) when they are freed,
+    and gives a free region at the top of its heap back to the system once it passes `M_TRIM_THRESHOLD`, so the next
+    step page-faults that memory in again, zeroed. With no trim and a fixed 32 MB `M_MMAP_THRESHOLD` (its largest
+    value), freed blocks under 32 MB stay in the heap and are reused. The process keeps its peak heap size; blocks of
+    32 MB or more are still mapped and unmapped as before. Returns False (and changes nothing) where the C library is
+    not glibc. Called once per process by the trainer when the policy is on CPU."""
     import ctypes
     import ctypes.util
 
