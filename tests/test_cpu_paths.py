@@ -83,9 +83,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_freed_memory_is_reused_without_page_faults():
-    """With `keep_freed_memory`, five more steps of 84 MB of activations reuse the first step's memory: almost no
-    page is faulted in again (a 4 kB page each), where under glibc's defaults a good part of it (about a quarter here)
-    is handed back and faulted in anew.
+    """With `keep_freed_memory`, five more steps of 84 MB of activations reuse the first step's memory: at most a
+    block or two is faulted in again (a 4 kB page each; which blocks fit the freed holes depends on the heap's
+    layout), where under glibc's defaults a quarter to two fifths of the pages are handed back and faulted in anew.
     Run in fresh processes, since the setting lasts for the process."""
 
     def faults(mode: str) -> int:
@@ -97,8 +97,8 @@ def test_freed_memory_is_reused_without_page_faults():
 
     pages = 5 * 84 * 2**20 // 4096  # every page of the five steps
     default, kept = faults("default"), faults("keep")
-    assert default > pages // 10, default
-    assert kept < pages // 100, kept
+    assert default > pages // 6, default
+    assert kept < pages // 12, kept  # a 12 MB block is 3072 pages
 
 
 def test_keep_freed_memory_declines_without_glibc(monkeypatch):
