@@ -127,7 +127,7 @@ def keep_freed_memory() -> bool:
     step page-faults that memory in again, zeroed. With no trim and a fixed 32 MB `M_MMAP_THRESHOLD` (its largest
     value), freed blocks under 32 MB stay in the heap and are reused. The process keeps its peak heap size; blocks of
     32 MB or more are still mapped and unmapped as before. Returns False (and changes nothing) where the C library is
-    not glibc. Called once per process by the trainer when the policy is on CPU."""
+    not glibc. The trainer calls it when its policy is on CPU; calling it again changes nothing."""
     import ctypes
     import ctypes.util
 
