@@ -85,7 +85,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_freed_memory_is_reused_without_page_faults():
     """With `keep_freed_memory`, five more steps of 84 MB of activations reuse the first step's memory: at most a
     block or two is faulted in again (a 4 kB page each; which blocks fit the freed holes depends on the heap's
-    layout), where under glibc's defaults a quarter to two fifths of the pages are handed back and faulted in anew.
+    layout), where under glibc's defaults a fifth to two fifths of the pages are handed back and faulted in anew.
     Run in fresh processes, since the setting lasts for the process."""
 
     def faults(mode: str) -> int:
