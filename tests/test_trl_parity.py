@@ -341,3 +341,74 @@ def test_old_and_reference_passes_score_only_model_tokens(tiny_model_folder, tmp
             )
             assert (out[key][~on] == 0).all() and (full[~on & out["completion_mask"].bool()] != 0).all()
             torch.testing.assert_close(out[key][on], full[on], rtol=1e-5, atol=1e-6)
+
+
+def test_pads_right_only():
+    """docs/methods/grpo.md D15: a mask qualifies when each row is ones then zeros, and not otherwise."""
+    from trainers.base import pads_right_only
+
+    assert pads_right_only(torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]))
+    assert not pads_right_only(torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1]]))  # left padding in row 1
+    assert not pads_right_only(torch.tensor([[1, 0, 1, 1]]))  # a gap inside the row
+
+
+def attention_calls(monkeypatch) -> list[tuple[bool, bool]]:
+    """(mask given, is_causal) of every call of PyTorch's attention while the test runs."""
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask is not None, is_causal))
+        return sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_right_padded_forwards_run_as_plain_causal_attention(tiny_model_folder, tmp_path, monkeypatch):
+    """docs/methods/grpo.md D15: on a batch padded only on the right, the log-prob forwards hand attention no mask
+    (plain causal attention), and the loss, its gradient and the log-probs equal those of the same forwards with
+    transformers' padding mask."""
+    import trainers.base
+
+    trainer, out = echo_batch(tiny_model_folder, tmp_path)
+    batch = {k: v[:8] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in out.items()}
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    assert trainers.base.pads_right_only(attention) and (attention == 0).any()  # 2- and 3-turn episodes
+    batch["advantages"] = torch.linspace(-1.0, 1.0, 8).unsqueeze(1) * batch["completion_mask"]
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    calls = attention_calls(monkeypatch)
+
+    def loss_grads_logps():
+        calls.clear()
+        model.zero_grad()
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        with torch.no_grad():
+            logps, _, _ = trainer.forward_logps(model, batch)
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], logps
+
+    causal = loss_grads_logps()
+    assert calls and set(calls) == {(False, True)}  # every layer of both forwards: no mask, causal
+    monkeypatch.setattr(trainers.base, "pads_right_only", lambda mask: False)
+    masked = loss_grads_logps()
+    assert calls and set(calls) == {(True, False)}  # transformers' (B, 1, S, S) mask
+    torch.testing.assert_close(causal[0], masked[0], rtol=1e-6, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in causal[1])
+    for a, b in zip(causal[1], masked[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    scored = (batch["completion_mask"] * batch["tool_mask"]).bool()
+    torch.testing.assert_close(causal[2][scored], masked[2][scored], rtol=1e-6, atol=1e-6)
+
+
+def test_left_padded_forwards_keep_their_mask(tiny_model_folder, tmp_path, monkeypatch):
+    """docs/methods/grpo.md D15: prompts of different lengths are padded on the left; that mask is kept."""
+    trainer, out = echo_batch(tiny_model_folder, tmp_path)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    attention[0, :2] = 0  # row 0's prompt two tokens shorter
+    calls = attention_calls(monkeypatch)
+    with torch.no_grad():
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention, out["completion_ids"].size(1))
+    assert calls and set(calls) == {(True, False)}

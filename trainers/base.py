@@ -50,7 +50,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -168,6 +168,38 @@ class _ScoredLabels(AbstractContextManager):
         T = rows.size(1)
         completion = labels[:, -T:].masked_fill(rows.to(labels.device) == 0, -100)
         kwargs["labels"] = torch.cat([labels[:, :-T], completion], dim=1)
+        return args, kwargs
+
+
+def pads_right_only(mask: torch.Tensor) -> bool:
+    """True when every row of the (B, S) 0/1 attention `mask` is ones followed by zeros: padding only on the right."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+
+class _CausalWithoutMask(AbstractContextManager):
+    """While open, each call of `model` whose `attention_mask` pads only on the right gets `attention_mask=None`, so
+    attention runs as plain causal attention (docs/methods/grpo.md D15). A causal model's position reads only itself
+    and the positions before it, so padding on the right never reaches a real token; the mask only kept the padding
+    positions' own outputs, which nothing reads, from seeing each other. Without it no (B, 1, S, S) mask is built, and
+    PyTorch's attention skips the blocks above the diagonal. Position ids are what the mask gave: no row is shifted.
+    TRL builds its labels from the mask before the call, so padding is still not scored."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        self.handle = self.model.register_forward_pre_hook(self._drop_right_padding_mask, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    @staticmethod
+    def _drop_right_padding_mask(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is None or mask.dim() != 2 or not pads_right_only(mask):
+            return None
+        kwargs["attention_mask"] = None
         return args, kwargs
 
 
@@ -663,14 +695,20 @@ class AgentGRPOTrainer(GRPOTrainer):
         if scored is None and self._batch_env_mask is not None and len(self._batch_env_mask) == input_ids.size(0):
             T = logits_to_keep  # TRL's old / reference pass: the model's tokens of each row, 0 past its end
             scored = torch.tensor([m[:T] + [0] * (T - len(m[:T])) for m in self._batch_env_mask], dtype=torch.long)
-        if scored is None:
-            return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
-        if scored.shape != (input_ids.size(0), logits_to_keep):
+        if scored is not None and scored.shape != (input_ids.size(0), logits_to_keep):
             raise RuntimeError(
                 f"loss mask {tuple(scored.shape)} does not cover the forward's completion "
                 f"({input_ids.size(0)}, {logits_to_keep})"
             )
-        with _ScoredLabels(model, scored):
+        # D15: no mask for right padding, except where the mask also serves the MoE balance loss, routing replay's
+        # record or a multimodal model's inputs
+        images = any(value is not None for value in multimodal.values())  # TRL's loss passes them all, as None
+        causal = not (compute_aux_loss or images or self.routing_replay.active)
+        with ExitStack() as hooks:
+            if scored is not None:
+                hooks.enter_context(_ScoredLabels(model, scored))
+            if causal:
+                hooks.enter_context(_CausalWithoutMask(model))
             return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
 
     def _generate_and_score_completions(self, inputs):
