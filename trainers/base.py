@@ -688,7 +688,8 @@ class AgentGRPOTrainer(GRPOTrainer):
     ):
         """TRL's log-prob forward, wrapped in `replay_routes` (routing-replay.md Eq. 3) for the policy's own passes.
         Inside `policy_loss` and `forward_logps` it scores only the loss mask's positions, and in TRL's old and
-        reference passes over a generation batch only the model's tokens (grpo.md D12)."""
+        reference passes over a generation batch only the model's tokens (grpo.md D12). A batch padded only on the
+        right runs without a padding mask (D15)."""
         forward = super()._get_per_token_logps_and_entropies
         settings = (logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal)
         scored, self._scored_next = self._scored_next, None  # one forward: the loss's own
