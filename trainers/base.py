@@ -179,10 +179,10 @@ def pads_right_only(mask: torch.Tensor) -> bool:
 class _CausalWithoutMask(AbstractContextManager):
     """While open, each call of `model` whose `attention_mask` pads only on the right gets `attention_mask=None`, so
     attention runs as plain causal attention (docs/methods/grpo.md D15). A causal model's position reads only itself
-    and the positions before it, so padding on the right never reaches a real token; the mask only kept the padding
-    positions' own outputs, which nothing reads, from seeing each other. Without it no (B, 1, S, S) mask is built, and
-    PyTorch's attention skips the blocks above the diagonal. Position ids are what the mask gave: no row is shifted.
-    TRL builds its labels from the mask before the call, so padding is still not scored."""
+    and the positions before it, so padding on the right never reaches a real token; the mask changed only what the
+    padding positions themselves compute, and nothing reads their outputs. Without it no (B, 1, S, S) mask is built,
+    and PyTorch's attention skips the blocks above the diagonal. Position ids are what the mask gave: no row is
+    shifted. TRL builds its labels from the mask before the call, so padding is still not scored."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
