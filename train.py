@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, s
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 from envs import ENVIRONMENTS  # noqa: E402
+from envs.adapters import is_adapter_spec  # noqa: E402
 from envs.base import row_task  # noqa: E402
 from envs.sources import EnvironmentSource, check_environment, load_environment, load_splits  # noqa: E402
 from envs.tiny import is_tiny, tiny_dataset_model, tiny_model  # noqa: E402
@@ -57,10 +58,11 @@ class RunArguments:
     environment: str | None = field(
         default=None,
         metadata={
-            "help": f"Where episodes run: a built-in environment ({', '.join(sorted(ENVIRONMENTS))}) or an import "
-            "path (package.module:Class) to an envs.base.Env subclass, any class with reset(task)/step(action), or a "
-            "TRL-style tool class; `none` for single-turn GRPO on a dataset's prompts. Default: shop, or none "
-            "when dataset_name is set."
+            "help": f"Where episodes run: a built-in environment ({', '.join(sorted(ENVIRONMENTS))}); an ecosystem "
+            "environment (reasoning_gym:<task>, textarena:<game id>, gymnasium:<env id>, verifiers:<module>, "
+            "openenv:<module:Class or URL>; envs/adapters/); or an import path (package.module:Class) to an "
+            "envs.base.Env subclass, any class with reset(task)/step(action), or a TRL-style tool class; `none` for "
+            "single-turn GRPO on a dataset's prompts. Default: shop, or none when dataset_name is set."
         },
     )
     environment_kwargs: dict | str | None = field(
@@ -137,6 +139,7 @@ class Sources:
     reward_funcs: list | None
     described: str
     audit: dict | None = None  # what `audit_filter` kept and dropped
+    environment_kwargs: dict | None = None  # as parsed from the config
 
 
 def audit_filter(tasks: list[dict], folder: str, keep_unaudited: bool = False) -> tuple[list[tuple[int, dict]], dict]:
@@ -234,7 +237,7 @@ def load_sources(run: RunArguments, config) -> Sources:
             train_tasks = [task for _, task in kept]
         check_environment(source, train_tasks[0])
         rows = env_rows(source, train_tasks)
-        return Sources(source, rows, eval_tasks, reward_funcs, f"{source.name} tasks", audit)
+        return Sources(source, rows, eval_tasks, reward_funcs, f"{source.name} tasks", audit, kwargs)
     train, test, where = load_splits(
         run.dataset_name,
         run.dataset_config,
@@ -273,7 +276,7 @@ def load_sources(run: RunArguments, config) -> Sources:
     check_environment(source, train_tasks[0])
     if "prompt" not in train.column_names:  # TRL needs one; the agent loop replaces it with reset's observation
         train = train.add_column("prompt", [source.factory(t).reset(t) for t in train_tasks])
-    return Sources(source, train, [row_task(row) for row in test], reward_funcs, described, audit)
+    return Sources(source, train, [row_task(row) for row in test], reward_funcs, described, audit, kwargs)
 
 
 #: Most tasks a run generates: making and resetting tasks is not free (about 4,000 a second on tiny:shop), and
@@ -370,7 +373,7 @@ def model_problem(name: str | None) -> str | None:
         return None  # asked for after the data is checked (main)
     if is_tiny(name):
         kind, _, env = name.partition(":")
-        if env and env not in ENVIRONMENTS:
+        if env and env not in ENVIRONMENTS and not is_adapter_spec(env):
             return (
                 f"model_name_or_path {name!r}: no tiny default for {env!r}; use {kind}:<one of {sorted(ENVIRONMENTS)}>"
             )
@@ -576,8 +579,8 @@ def parse(argv: list[str] | None = None):
         run, config, model_args = parser.parse_args_and_config(argv)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
-    if run.environment is not None and run.environment.lower() != "none":  # resolves the name or path; builds nothing
-        load_environment(run.environment, {}, run.difficulty)
+    if run.environment is not None and run.environment.lower() != "none" and not is_adapter_spec(run.environment):
+        load_environment(run.environment, {}, run.difficulty)  # resolves the name or path; builds nothing
     check_report_to(config)
     return run, config, model_args, trainer_cls
 
@@ -597,10 +600,12 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
             f"environment it is tiny:<env> (tiny:{'|tiny:'.join(sorted(ENVIRONMENTS))}), and for your own "
             "environment name a model folder or Hub id"
         )
+    settings = sources.environment_kwargs  # an ecosystem environment's tasks depend on them (envs/adapters/)
     sizes = {
         "sft_steps": run.tiny_sft_steps,
         "num_demos": run.tiny_num_demos,
         "privileged_frac": run.tiny_privileged_frac,
+        "env_kwargs": json.dumps(settings, sort_keys=True) if settings and is_adapter_spec(run.environment) else None,
     }
     sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
     return tiny_model(name, difficulty=run.difficulty, seed=run.tiny_seed, **sizes)

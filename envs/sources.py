@@ -3,6 +3,8 @@
 `load_environment(spec, kwargs, difficulty)` resolves the `environment:` field of a config:
 
 * a built-in name (`shop`, `terminal`, `search`): the class of `envs.ENVIRONMENTS`, built with `difficulty`;
+* an ecosystem environment, `<source>:<name>` (`reasoning_gym:`, `textarena:`, `gymnasium:`, `verifiers:`,
+  `openenv:`; `envs/adapters/`), its `environment_kwargs` the adapter's settings;
 * an import path, `package.module:Class` or `package.module.Class` (the working directory is importable, as for
   `trl grpo --reward_funcs`), built with `environment_kwargs`:
   - a subclass of `envs.base.Env`, used as it is;
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from envs import ENVIRONMENTS
+from envs.adapters import adapter_class, is_adapter_spec
 from envs.base import Env, ProtocolEnv, ToolEnv, tool_methods
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -77,10 +80,14 @@ def load_environment(spec: str, kwargs: dict | None = None, difficulty: int = 0)
     if spec in ENVIRONMENTS:
         cls = ENVIRONMENTS[spec]
         return EnvironmentSource(spec, lambda row: cls(difficulty=difficulty, **kwargs), cls.make_tasks, True)
+    if is_adapter_spec(spec):
+        adapted = adapter_class(spec, kwargs)
+        return EnvironmentSource(spec, lambda row: adapted(difficulty=difficulty), adapted.make_tasks, False)
     if "." not in spec and ":" not in spec:
         raise SystemExit(
-            f"error: environment {spec!r} is unknown; choose one of {sorted(ENVIRONMENTS)} or give an import path "
-            "(package.module:Class)"
+            f"error: environment {spec!r} is unknown; choose one of {sorted(ENVIRONMENTS)}, an ecosystem environment "
+            "(reasoning_gym:<task>, textarena:<game>, gymnasium:<env id>, verifiers:<module>, openenv:<module:Class>) "
+            "or give an import path (package.module:Class)"
         )
     obj = import_object(spec, "environment")
     if not inspect.isclass(obj):

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -93,27 +94,39 @@ class TinySpec:
     #: (docs/methods/beta-opsd.md §4). Left out of the cache key while 0, so earlier builds keep their keys.
     privileged_frac: float = 0.0
 
+    #: the environment's settings (environment_kwargs) as sorted JSON, for an ecosystem environment whose tasks they
+    #: define (`envs/adapters/`); left out of the cache key while empty, so earlier builds keep their keys
+    env_kwargs: str = ""
+
     @classmethod
     def parse(cls, name: str, **overrides) -> TinySpec:
         kind, _, env = name.partition(":")
         if kind not in ("tiny", "tiny-moe") or not env:
             raise ValueError(f"model_name_or_path {name!r}: expected 'tiny:<env>' or 'tiny-moe:<env>'")
-        from envs import ENVIRONMENTS
-
-        steps = getattr(ENVIRONMENTS.get(env), "tiny_sft_steps", None)  # an environment may need a longer warm start
+        env_cls = cls(env=env, **overrides).env_class()
+        steps = getattr(env_cls, "tiny_sft_steps", None)  # an environment may need a longer warm start
         if steps is not None:
             overrides.setdefault("sft_steps", steps)
+        transport = getattr(env_cls, "transport_settings", ())  # how episodes run (e.g. over a server), not what
+        if overrides.get("env_kwargs") and transport:  # they are: one build for both, its demonstrations in-process
+            settings = {k: v for k, v in json.loads(overrides["env_kwargs"]).items() if k not in transport}
+            overrides["env_kwargs"] = json.dumps(settings, sort_keys=True) if settings else ""
         return cls(env=env, moe=kind == "tiny-moe", **overrides)
+
+    def env_class(self) -> type[Env] | None:
+        """The environment the demonstrations come from (None: not a known environment)."""
+        from envs import environment_class
+
+        return environment_class(self.env, json.loads(self.env_kwargs) if self.env_kwargs else None)
 
     def key(self) -> str:
         """Hash of the settings and of the environment's `demo_version` (left out while 0, so keys made before it
         existed stay valid)."""
-        from envs import ENVIRONMENTS
-
         settings = asdict(self)
-        if not settings["privileged_frac"]:
-            del settings["privileged_frac"]
-        demo_version = getattr(ENVIRONMENTS.get(self.env), "demo_version", 0)
+        for optional in ("privileged_frac", "env_kwargs"):
+            if not settings[optional]:
+                del settings[optional]
+        demo_version = getattr(self.env_class(), "demo_version", 0)
         if demo_version:
             settings["demo_version"] = demo_version
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -146,6 +159,33 @@ def demonstrations(
                 messages.append({"role": env_cls.observation_role, "content": turn["observation"]})
         demos.append(messages)
     return demos
+
+
+def check_expert(env_cls: type[Env], name: str, difficulty: int, n: int = 20) -> None:
+    """Stop before a build whose demonstrations would teach nothing: the environment has no expert, or its expert
+    (without noise) succeeds on none of `n` training tasks within the turn budget."""
+    wins = 0
+    for task in env_cls.make_tasks("train", n, seed=0, difficulty=difficulty):
+        env = env_cls(difficulty=difficulty)
+        env.reset(task)
+        for _ in range(env.max_turns):
+            try:
+                action = env.expert_action()
+            except NotImplementedError as e:
+                raise SystemExit(
+                    f"error: model_name_or_path {name!r}: the tiny default learns from an expert's demonstrations, "
+                    f"and {env_cls.name} has none ({e}); name a model folder or a Hub id instead"
+                ) from e
+            _, _, done, info = env.step(action)
+            if done:
+                wins += bool(info.get("success"))
+                break
+    if wins == 0:
+        raise SystemExit(
+            f"error: model_name_or_path {name!r}: {env_cls.name}'s expert succeeded on none of {n} training tasks "
+            f"within {env_cls.max_turns} turns, so its demonstrations would teach nothing; name a model folder "
+            "or a Hub id, or raise the environment's turn budget"
+        )
 
 
 def build_tokenizer(texts: list[str], vocab_size: int = 1024):
@@ -291,17 +331,19 @@ def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> st
     from envs import ENVIRONMENTS
 
     spec = TinySpec.parse(name, difficulty=difficulty, seed=seed, **overrides)
-    if spec.env not in ENVIRONMENTS:
+    env_cls = spec.env_class()
+    if env_cls is None:
         raise ValueError(
-            f"model_name_or_path {name!r}: unknown environment {spec.env!r}; known: {sorted(ENVIRONMENTS)}"
+            f"model_name_or_path {name!r}: unknown environment {spec.env!r}; known: {sorted(ENVIRONMENTS)} and the "
+            "ecosystem's (tiny:reasoning_gym:<task>, tiny:textarena:<game>, tiny:gymnasium:<env id>, ...)"
         )
-    folder = cache_root() / "tiny" / f"{name.replace(':', '-')}-{spec.key()}"
+    folder = cache_root() / "tiny" / f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-{spec.key()}"
     if (folder / "model.safetensors").exists():
         return str(folder)
     if (SHIPPED / folder.name / "model.safetensors").exists():  # the repository's copy of this exact build
         install_shipped(folder)
         return str(folder)
-    env_cls = ENVIRONMENTS[spec.env]
+    check_expert(env_cls, name, spec.difficulty)
     demos = demonstrations(env_cls, spec.num_demos, spec.seed, spec.difficulty, spec.noise, spec.privileged_frac)
     # the role words are repeated so that each becomes one token (short sequences are fast sequences)
     texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]

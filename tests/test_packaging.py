@@ -27,7 +27,8 @@ def test_pyproject_pins_equal_requirements():
 
 def test_every_top_level_package_is_listed():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+    tops = [p.parent.name for p in ROOT.glob("*/__init__.py")]  # and their subpackages (envs.adapters)
+    found = sorted(".".join(p.parent.relative_to(ROOT).parts) for t in tops for p in (ROOT / t).rglob("__init__.py"))
     assert sorted(setuptools["packages"]) == found and setuptools["py-modules"] == ["train"]
 
 
@@ -43,7 +44,7 @@ def test_wheel_holds_every_module(tmp_path):
     (wheel,) = tmp_path.glob("agent_trl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {"train.py"} | {
-        str(p.relative_to(ROOT)) for d in ("envs", "rewards", "trainers") for p in (ROOT / d).glob("*.py")
+        str(p.relative_to(ROOT)) for d in ("envs", "rewards", "trainers") for p in (ROOT / d).rglob("*.py")
     }
     assert expected <= names, sorted(expected - names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
