@@ -184,7 +184,8 @@ def env_rows(source: EnvironmentSource, tasks: list[dict]) -> Dataset:
     """Dataset rows of `tasks`: the first observation as the prompt, the task as JSON (read back by `row_task`)."""
     return Dataset.from_list(
         [
-            {"prompt": source.factory(task).reset(task), "task": json.dumps(task), "task_id": task.get("task_id", i)}
+            {"prompt": source.factory(task).first_observation(task), "task": json.dumps(task),
+             "task_id": task.get("task_id", i)}  # fmt: skip
             for i, task in enumerate(tasks)
         ]
     )
@@ -275,7 +276,7 @@ def load_sources(run: RunArguments, config) -> Sources:
         described += f"; audit filter kept {audit['kept']} of {audit['tasks']}"
     check_environment(source, train_tasks[0])
     if "prompt" not in train.column_names:  # TRL needs one; the agent loop replaces it with reset's observation
-        train = train.add_column("prompt", [source.factory(t).reset(t) for t in train_tasks])
+        train = train.add_column("prompt", [source.factory(t).first_observation(t) for t in train_tasks])
     return Sources(source, train, [row_task(row) for row in test], reward_funcs, described, audit, kwargs)
 
 

@@ -85,6 +85,11 @@ class Env:
     def state_key(self) -> str:
         return ""
 
+    def first_observation(self, task: dict) -> str | list[dict]:
+        """What `reset(task)` would show first, for a run's dataset rows (TRL's `prompt` column); an environment
+        whose reset is costly (an episode in another framework) returns it without starting one."""
+        return self.reset(task)
+
     def expert_action(self) -> str:
         """The correct next action in the current state."""
         raise NotImplementedError
