@@ -18,6 +18,7 @@ import re
 import socket
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -189,6 +190,27 @@ def test_an_episode_that_never_ends_is_cut_by_the_turn_budget(tasks):
     assert rollout.truncated and not rollout.success
     assert [t["action"] for t in rollout.transcript] == [action, action]
     assert rollout.transcript[0]["observation"] == "The target number is higher."
+
+
+def test_abandoned_and_first_observation_sessions_are_released(tasks):
+    """A run's dataset rows (first_observation) and episodes the agent loop cuts never step to the end: each one's
+    server session must still close, or a run exhausts the server's sessions (its capacity, here 4)."""
+    cls = adapter_class(SPEC, {"serve": True, "max_sessions": 4})
+    try:
+        for task in tasks:  # 8 prompts through a server of 4 sessions
+            assert cls().first_observation(task).startswith("You are Player 0")
+        for task in tasks:  # 8 episodes reset, stepped once and dropped
+            env = cls()
+            env.reset(task)
+            env.step("[1]")
+            del env
+        deadline = time.monotonic() + 10
+        while cls._server.env_server.active_sessions and time.monotonic() < deadline:
+            time.sleep(0.05)  # a dropped episode's socket closes on the client loop, a moment later
+        assert cls._server.env_server.active_sessions == 0
+        assert bisect_episode(cls, tasks[0])[2][-1][3]["success"]  # and the server still plays
+    finally:
+        cls.stop_server()
 
 
 def test_a_class_that_is_not_an_environment_is_refused():

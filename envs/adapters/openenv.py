@@ -19,7 +19,7 @@ observation's `success` field where it has one, else a positive final reward.
 
 `environment_kwargs`: `serve`, `action_field`, `observation_field`, `reset_kwargs` (a mapping sent with every reset),
 `env_kwargs` (the class's constructor arguments), `turn_budget` (default 32), `max_sessions` (the server's concurrent
-episodes, default 64), `step_timeout` (seconds, default 60).
+episodes, default 256: more than a run plays at once), `step_timeout` (seconds, default 60).
 
 The tiny default (`tiny:openenv:<module:Class>`) learns from the class's own expert, when it has one: an
 `expert_action()` method (and optionally `noisy_action(rng)`, a plausible mistake) on the environment instance.
@@ -56,7 +56,7 @@ SETTINGS = {
     "reset_kwargs": "keyword arguments sent with every reset",
     "env_kwargs": "constructor arguments of the Environment class",
     "turn_budget": "most turns per episode (default 32)",
-    "max_sessions": "concurrent episodes the server accepts (default 64)",
+    "max_sessions": "concurrent episodes the server accepts (default 256)",
     "step_timeout": "seconds a step may take before the episode ends (default 60)",
 }
 
@@ -150,7 +150,7 @@ class OpenEnvEnv(Env):
     reset_kwargs: dict = {}
     env_kwargs: dict = {}
     step_timeout: float = 60.0
-    max_sessions: int = 64
+    max_sessions: int = 256
     #: settings of how episodes run, not of what they are: left out of the tiny default's key (`envs.tiny`)
     transport_settings = ("serve", "max_sessions", "step_timeout")
     _server: _Server | None = None
@@ -201,13 +201,18 @@ class OpenEnvEnv(Env):
         loop, _ = self._loop_and_url()
         return loop.run(call, self.step_timeout)
 
-    def _drop_client(self) -> None:
+    def _drop_client(self, wait: bool = True) -> None:
         client, self.client = self.client, None
-        if client is not None:
-            try:
-                self._remote(client.close())
-            except Exception:  # the socket is gone already; nothing to close
-                pass
+        if client is None:
+            return
+        loop, _ = self._loop_and_url()
+        if not wait:  # e.g. from the garbage collector, which may run on the loop's own thread
+            asyncio.run_coroutine_threadsafe(client.close(), loop.loop)
+            return
+        try:
+            loop.run(client.close(), self.step_timeout)
+        except Exception:  # the socket is gone already; nothing to close
+            pass
 
     # the protocol ----------------------------------------------------------------------------------------------
     def reset(self, task: dict) -> str:
@@ -219,8 +224,24 @@ class OpenEnvEnv(Env):
             return self._text(self.env.reset(**kwargs).model_dump())
         _, url = self._loop_and_url()
         self.client = GenericEnvClient(base_url=url, message_timeout_s=self.step_timeout)
-        result = self._remote(self.client.reset(**kwargs))
+        try:
+            result = self._remote(self.client.reset(**kwargs))
+        except RuntimeError as e:
+            if "CAPACITY_REACHED" in str(e):
+                raise RuntimeError(
+                    f"{self.name}: the server holds {self.max_sessions} episodes at once and more were started; raise "
+                    "environment_kwargs max_sessions above the episodes a run plays together (the generation batch, "
+                    "eval_batch_size)"
+                ) from e
+            raise
         return self._text(result.observation)
+
+    def first_observation(self, task: dict) -> str:
+        """The first observation of `task`: a reset whose instance or session is closed at once."""
+        try:
+            return self.reset(task)
+        finally:
+            self.close()
 
     def _action(self, text: str) -> dict:
         stripped = text.strip()
@@ -284,12 +305,18 @@ class OpenEnvEnv(Env):
         shown = {k: v for k, v in fields.items() if k not in ("done", "reward", "metadata")}
         return json.dumps(shown, default=str)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """End the episode's instance or session (a finished episode closes itself)."""
         if self.env is not None:
             env, self.env = self.env, None
             env.close()
-        self._drop_client()
+        self._drop_client(wait)
+
+    def __del__(self):  # an episode the agent loop cut (its budget): its server session is released
+        try:
+            self.close(wait=False)
+        except Exception:  # interpreter shutdown
+            pass
 
     # the tiny default's expert: the environment's own, played in-process ------------------------------------
     def _expert_env(self):
@@ -325,7 +352,7 @@ def environment_class(name: str, kwargs: dict) -> type[OpenEnvEnv]:
         if key in kwargs:
             attrs[key] = kwargs[key]
     attrs["step_timeout"] = float(kwargs.get("step_timeout", 60.0))
-    attrs["max_sessions"] = int(kwargs.get("max_sessions", 64))
+    attrs["max_sessions"] = int(kwargs.get("max_sessions", 256))
     if name.startswith(("http://", "https://", "ws://", "wss://")):
         if kwargs.get("serve"):
             raise SystemExit(f"error: environment_kwargs serve: {spec!r} is a server URL; serve starts a class")
