@@ -264,17 +264,17 @@ class VerifiersEnv(Env):
         runner = _Runner.get()
         self.task, self.done = task, False
         self.key = f"ep{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        self.episode = _Episode()
-        runner.endpoint.episodes[self.key] = self.episode
+        episode = self.episode = _Episode()  # this episode's queue: an abandoned run must not write to the next one's
+        runner.endpoint.episodes[self.key] = episode
         client = vf.EvalClientConfig(base_url=f"{runner.endpoint.url}/{self.key}/v1", api_key_var=KEY_VARIABLE)
         context = vf.ModelContext(model="agent", client=client)
 
         async def run():
             try:
                 await runner.serve(self.vf_env)
-                self.episode.events.put(("done", await self.vf_env.run_episode(self._vf_task(task), context)))
+                episode.events.put(("done", await self.vf_env.run_episode(self._vf_task(task), context)))
             except BaseException as e:  # noqa: BLE001 (reported to the waiting thread, cancellation included)
-                self.episode.events.put(("error", e))
+                episode.events.put(("error", e))
                 if isinstance(e, asyncio.CancelledError):
                     raise
 
