@@ -183,6 +183,25 @@ def test_bad_environment_kwargs_name_the_field_and_the_key():
     assert "environment_kwargs" in str(e.value) and "turn_budget" in str(e.value)
 
 
+def test_a_word_game_without_its_nltk_data_stops_naming_it_and_downloads_nothing(tmp_path, monkeypatch):
+    """Hangman reads NLTK's `words` corpus and calls nltk.download at import; with no NLTK data installed (an empty
+    data path) the adapter must stop at start-up naming the resource, and never reach NLTK's downloader."""
+    import nltk
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("NLTK's downloader was called")
+
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path)])
+    monkeypatch.setattr(nltk.downloader.Downloader, "download", no_network)
+    monkeypatch.setattr(nltk, "download", no_network)  # the adapter swaps this one out while a game is made
+    _adapter_class.cache_clear()
+    with pytest.raises(SystemExit) as e:
+        adapter_class("textarena:Hangman-v0", {})
+    message = str(e.value)
+    assert "textarena:Hangman-v0" in message and "words" in message and "NLTK" in message
+    assert nltk.download is no_network  # put back after the game was made
+
+
 def test_game_arguments_reach_the_game():
     cls = adapter_class(SPEC, {"max_number": 8})
     env = cls()
