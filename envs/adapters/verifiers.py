@@ -43,6 +43,7 @@ import uuid
 from contextlib import AsyncExitStack
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import verifiers.v1 as vf
 from openai import APIStatusError, AsyncOpenAI
 from verifiers.v1.dialects.chat import message_to_wire
@@ -79,9 +80,9 @@ class TurnHarness(vf.Harness[vf.HarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt:
             messages += [message_to_wire(m) for m in prompt]
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+        # one HTTP client for every launch on this loop: building one (its TLS context) costs tens of milliseconds
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=_http_client())
         async with AsyncExitStack() as stack:
-            stack.push_async_callback(client.close)
             tools, dispatch, servers = [], {}, {}
             if mcp_urls:
                 timeout = self.config.tool_timeout
@@ -110,6 +111,16 @@ class TurnHarness(vf.Harness[vf.HarnessConfig]):
                                      "name": call.function.name})  # fmt: skip
 
 
+_HTTP: dict[int, httpx.AsyncClient] = {}  # id(event loop) -> the harness's shared client
+
+
+def _http_client() -> httpx.AsyncClient:
+    loop = id(asyncio.get_running_loop())
+    if loop not in _HTTP:
+        _HTTP[loop] = httpx.AsyncClient(timeout=None)
+    return _HTTP[loop]
+
+
 def _register_harness() -> None:
     """verifiers finds a harness by importing a module named as its id that exports the class."""
     if HARNESS_ID not in sys.modules:
@@ -126,8 +137,9 @@ class _Episode:
 
 
 class _Endpoint:
-    """An OpenAI-compatible chat endpoint on 127.0.0.1: `POST /<episode>/v1/chat/completions` waits until the agent
-    loop answers (`_Box.put`), then returns that message as a chat completion."""
+    """An OpenAI-compatible chat endpoint on 127.0.0.1: `POST /v1/chat/completions` for model `<episode>` waits until
+    the agent loop answers (`_Box.put`), then returns that message as a chat completion. Episodes share the URL and
+    differ by model name, so verifiers keeps one client for all of them."""
 
     def __init__(self):
         self.episodes: dict[str, _Episode] = {}
@@ -138,8 +150,8 @@ class _Endpoint:
                 pass
 
             def do_POST(self):
-                key = self.path.strip("/").split("/")[0]
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                key = body.get("model", "")
                 episode = endpoint.episodes.get(key)
                 if episode is None:
                     return self._send(404, {"error": {"message": f"no episode {key!r}"}})
@@ -266,8 +278,8 @@ class VerifiersEnv(Env):
         self.key = f"ep{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         episode = self.episode = _Episode()  # this episode's queue: an abandoned run must not write to the next one's
         runner.endpoint.episodes[self.key] = episode
-        client = vf.EvalClientConfig(base_url=f"{runner.endpoint.url}/{self.key}/v1", api_key_var=KEY_VARIABLE)
-        context = vf.ModelContext(model="agent", client=client)
+        client = vf.EvalClientConfig(base_url=f"{runner.endpoint.url}/v1", api_key_var=KEY_VARIABLE)
+        context = vf.ModelContext(model=self.key, client=client)  # the model name tells the endpoint the episode
 
         async def run():
             try:
