@@ -19,11 +19,12 @@ with the install command. Nothing here downloads anything at run time.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 from functools import cache
 
-from envs.base import Env
+from envs.base import Env, check_split, split_of
 
 #: `environment:` prefix -> (adapter module, the PyPI package it needs, an example name)
 SOURCES: dict[str, tuple[str, str, str]] = {
@@ -68,3 +69,22 @@ def check_kwargs(spec: str, kwargs: dict, allowed: dict[str, str]) -> None:
     if unknown:
         listed = "; ".join(f"{k}: {v}" for k, v in sorted(allowed.items())) or "none"
         raise SystemExit(f"error: environment_kwargs {unknown} are not settings of {spec!r}; it takes {listed}")
+
+
+def unknown_name(spec: str, kind: str, name: str, known, listed: str) -> SystemExit:
+    """The start-up error for a name the package does not have: close names, and where the full list is."""
+    close = difflib.get_close_matches(name, list(known), n=3)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return SystemExit(f"error: environment {spec!r}: {kind} {name!r}{hint} ({listed})")
+
+
+def seed_tasks(split: str, n: int, seed: int, name: str) -> list[dict]:
+    """`n` tasks of `split` that are seeds of the package's own reset, from `seed * 1_000_003` on; a hash of
+    `name/seed` decides each seed's split (`envs.base.split_of`), so train and eval never share a seed."""
+    check_split(split)
+    tasks, s = [], seed * 1_000_003
+    while len(tasks) < n:
+        if split_of(f"{name}/{s}") == split:
+            tasks.append({"task_id": f"{split}-{len(tasks)}", "seed": s})
+        s += 1
+    return tasks

@@ -22,7 +22,6 @@ without doubling or splitting. A plausible mistake is another legal move.
 
 from __future__ import annotations
 
-import difflib
 import json
 import random
 import re
@@ -31,6 +30,7 @@ import gymnasium
 import numpy as np
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
+from envs.adapters import seed_tasks, unknown_name
 from envs.base import Env, check_split, split_of
 
 GRID_MOVES = ("left", "down", "right", "up")  # FrozenLake's and CliffWalking's action ids 0-3 (CliffWalking: 0 up)
@@ -97,18 +97,18 @@ class GymnasiumEnv(Env):
 
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:
+        if not cls.random_map:
+            return seed_tasks(split, n, seed, cls.env_id)
         check_split(split)
         tasks, s, seen = [], seed * 1_000_003, set()
         while len(tasks) < n and s < seed * 1_000_003 + 1000 * n + 10_000:
-            task = {"seed": s}
+            desc = generate_random_map(cls.random_map, cls.random_map_p, seed=s)
             s += 1
-            if cls.random_map:  # the map decides the split, so no held-out map is trained on; no map twice
-                task["desc"] = generate_random_map(cls.random_map, cls.random_map_p, seed=task["seed"])
-                if tuple(task["desc"]) in seen:
-                    continue
-                seen.add(tuple(task["desc"]))
-            if split_of(f"{cls.env_id}/{json.dumps(task.get('desc', task['seed']))}") == split:
-                tasks.append({"task_id": f"{split}-{len(tasks)}", **task})
+            if tuple(desc) in seen:  # no lake twice; the lake decides the split, so no held-out lake is trained on
+                continue
+            seen.add(tuple(desc))
+            if split_of(f"{cls.env_id}/{json.dumps(desc)}") == split:
+                tasks.append({"task_id": f"{split}-{len(tasks)}", "seed": s - 1, "desc": desc})
         if len(tasks) < n:
             raise ValueError(f"{cls.name}: only {len(tasks)} distinct {split} maps of side {cls.random_map} found; "
                              "ask for fewer tasks or a larger random_map")  # fmt: skip
@@ -206,11 +206,8 @@ def environment_class(name: str, kwargs: dict) -> type[GymnasiumEnv]:
     """The environment class of toy-text env `name` with `kwargs`; a wrong name or argument stops here."""
     spec = f"gymnasium:{name}"
     if name not in SUPPORTED:
-        close = difflib.get_close_matches(name, SUPPORTED, n=2)
-        raise SystemExit(
-            f"error: environment {spec!r}: the gymnasium adapter plays the toy-text environments "
-            f"{sorted(SUPPORTED)}" + (f"; did you mean {' or '.join(close)}?" if close else "")
-        )
+        listed = f"it plays {sorted(SUPPORTED)}"
+        raise unknown_name(spec, "the gymnasium adapter does not play", name, SUPPORTED, listed)
     settings = {k: kwargs[k] for k in ADAPTER_SETTINGS if k in kwargs}
     make_kwargs = {k: v for k, v in kwargs.items() if k not in ADAPTER_SETTINGS}
     random_map = settings.get("random_map")

@@ -45,8 +45,8 @@ from openenv.core.env_server.http_server import HTTPEnvServer
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.generic_client import GenericEnvClient
 
-from envs.adapters import check_kwargs
-from envs.base import Env, check_split, split_of
+from envs.adapters import check_kwargs, seed_tasks
+from envs.base import Env
 from envs.sources import import_object
 
 SETTINGS = {
@@ -165,13 +165,7 @@ class OpenEnvEnv(Env):
 
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:
-        check_split(split)
-        tasks, s = [], seed * 1_000_003
-        while len(tasks) < n:
-            if split_of(f"{cls.name}/{s}") == split:
-                tasks.append({"task_id": f"{split}-{len(tasks)}", "seed": s})
-            s += 1
-        return tasks
+        return seed_tasks(split, n, seed, cls.name)
 
     # transport -------------------------------------------------------------------------------------------------
     @classmethod

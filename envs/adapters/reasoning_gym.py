@@ -21,7 +21,6 @@ item's `answer` (for the tiny default's demonstrations); its plausible mistake i
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import random
 import threading
@@ -30,7 +29,7 @@ import reasoning_gym
 from reasoning_gym.factory import CURRICULA, DATASETS
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
-from envs.adapters import check_kwargs
+from envs.adapters import check_kwargs, unknown_name
 from envs.base import Env, check_split, split_of
 
 #: the generator's virtual size: items are drawn by index, so this only bounds the index
@@ -154,12 +153,8 @@ def environment_class(name: str, kwargs: dict) -> type[ReasoningGymEnv]:
     """The environment class of reasoning-gym task `name` with `kwargs`; a wrong name or field stops here."""
     spec = f"reasoning_gym:{name}"
     if name not in DATASETS:
-        close = difflib.get_close_matches(name, DATASETS, n=3)
-        raise SystemExit(
-            f"error: environment {spec!r}: reasoning-gym has no task {name!r}"
-            + (f"; did you mean {' or '.join(close)}?" if close else "")
-            + f" ({len(DATASETS)} tasks: python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))')"
-        )
+        listed = f"{len(DATASETS)} tasks: python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))'"
+        raise unknown_name(spec, "reasoning-gym has no task", name, DATASETS, listed)
     config_cls = DATASETS[name][1]
     fields = {f.name: f"{config_cls.__name__}.{f.name}" for f in dataclasses.fields(config_cls)}
     fields.pop("seed", None), fields.pop("size", None)  # the adapter draws tasks by seed and index

@@ -25,7 +25,6 @@ hints so far (it never reads the secret). Other games train from a model folder 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import random
 import re
@@ -35,7 +34,8 @@ from collections.abc import Callable, Iterator
 import textarena as ta
 from textarena.envs.registration import ENV_REGISTRY
 
-from envs.base import Env, check_split, split_of
+from envs.adapters import seed_tasks, unknown_name
+from envs.base import Env
 
 _LOCK = threading.RLock()  # TextArena plays on Python's global `random`: one game at a time touches it
 
@@ -126,13 +126,7 @@ class TextArenaEnv(Env):
 
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:
-        check_split(split)
-        tasks, s = [], seed * 1_000_003
-        while len(tasks) < n:
-            if split_of(f"{cls.game_id}/{s}") == split:
-                tasks.append({"task_id": f"{split}-{len(tasks)}", "seed": s})
-            s += 1
-        return tasks
+        return seed_tasks(split, n, seed, cls.game_id)
 
     def _call(self, fn: Callable):
         """Run `fn` with this game's generator state in Python's `random`, the caller's state put back after."""
@@ -201,12 +195,8 @@ def environment_class(name: str, kwargs: dict) -> type[TextArenaEnv]:
     wrong argument or missing NLTK data stops here."""
     spec = f"textarena:{name}"
     if name not in ENV_REGISTRY:
-        close = difflib.get_close_matches(name, ENV_REGISTRY, n=3)
-        raise SystemExit(
-            f"error: environment {spec!r}: TextArena has no game {name!r}"
-            + (f"; did you mean {' or '.join(close)}?" if close else "")
-            + " (python -c 'import textarena; textarena.pprint_registry_detailed()' lists them)"
-        )
+        listed = "python -c 'import textarena; textarena.pprint_registry_detailed()' lists them"
+        raise unknown_name(spec, "TextArena has no game", name, ENV_REGISTRY, listed)
     settings = dict(kwargs)
     budget = settings.pop("turn_budget", None)
     if budget is not None and (not isinstance(budget, int) or budget < 1):
