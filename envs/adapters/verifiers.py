@@ -256,7 +256,10 @@ class VerifiersEnv(Env):
     # tasks ----------------------------------------------------------------------------------------------------
     @classmethod
     def all_tasks(cls) -> list[dict]:
-        return [t.data.model_dump(mode="json", exclude_defaults=True) for t in cls.vf_env.taskset]
+        """The taskset's tasks as JSON, loaded once per class (a taskset is a fixed list)."""
+        if "_all_tasks" not in cls.__dict__:
+            cls._all_tasks = [t.data.model_dump(mode="json", exclude_defaults=True) for t in cls.vf_env.taskset]
+        return cls._all_tasks
 
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:
@@ -265,7 +268,7 @@ class VerifiersEnv(Env):
         check_split(split)
         if difficulty != 0:
             raise ValueError("difficulty: a verifiers taskset has one level (0); its settings are environment_kwargs")
-        tasks = [t for t in cls.all_tasks() if split_of(json.dumps(t, sort_keys=True)) == split]
+        tasks = [dict(t) for t in cls.all_tasks() if split_of(json.dumps(t, sort_keys=True)) == split]
         if seed:
             random.Random(seed).shuffle(tasks)
         if not tasks:
