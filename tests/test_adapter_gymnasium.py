@@ -32,10 +32,16 @@ STEPS = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
 
 
 def board(desc: list[str], at: tuple[int, int]) -> str:
-    """The adapter's rendering of a lake, written out by hand: cells spaced, `@` on the agent."""
+    """The adapter's rendering of a lake, written out by hand: cells spaced, `@` on the agent, then its row and
+    column and the tile each move leads onto (or the edge)."""
     rows = [list(r) for r in desc]
     rows[at[0]][at[1]] = "@"
-    return "\n".join(" ".join(r) for r in rows)
+    words = {"S": "start", "F": "ice", "H": "hole", "G": "goal"}
+    around = []
+    for move, (dr, dc) in STEPS.items():  # left, down, right, up
+        r, c = at[0] + dr, at[1] + dc
+        around.append(f"{move} {words[desc[r][c]] if 0 <= r < len(desc) and 0 <= c < len(desc[0]) else 'edge'}")
+    return "\n".join(" ".join(r) for r in rows) + f"\nRow {at[0]}, column {at[1]}: " + ", ".join(around) + "."
 
 
 def walk(desc: list[str], moves: list[str]) -> tuple[int, int]:

@@ -2,8 +2,9 @@
 
 Supported: `FrozenLake-v1`, `FrozenLake8x8-v1`, `Taxi-v4`, `CliffWalking-v1`, `CliffWalkingSlippery-v1` and
 `Blackjack-v1`. The environment is the package's own (`gymnasium.make(<env id>, **environment_kwargs)`, its time
-limit included); this adapter only puts it into words. Each observation is the board (or the hand) as text and the
-moves it takes; the agent answers with one move word (`left`, `down`, `right`, `up` on the lakes and the cliff;
+limit included); this adapter only puts it into words. Each observation is the board (or the hand) as text, on the
+lakes and the cliff also the agent's row and column and what each move leads onto (`down hole, right ice, ...`), and
+the moves it takes; the agent answers with one move word (`left`, `down`, `right`, `up` on the lakes and the cliff;
 `south`, `north`, `east`, `west`, `pickup`, `dropoff` in the taxi; `hit` or `stick` at the table), the last one in its
 turn counting. A turn with no move word gets an error observation and changes nothing. The reward is the environment's;
 success is reaching the goal (the lakes: reward 1; the cliff: the goal tile), a correct drop-off (taxi) or a won hand
@@ -81,6 +82,7 @@ class GymnasiumEnv(Env):
 
     name = "gymnasium"
     verifier = "gymnasium"
+    demo_version = 1  # part of the tiny default's key: bump when the text of the board changes
     env_id: str = ""
     make_kwargs: dict = {}
     moves: tuple[str, ...] = ()
@@ -156,8 +158,14 @@ class GymnasiumEnv(Env):
         else:  # the cliff: start bottom left, goal bottom right, the cliff between
             grid = [["."] * cols for _ in range(rows)]
             grid[-1] = ["S"] + ["C"] * (cols - 2) + ["G"]
+        names = {"S": "start", "F": "ice", "H": "hole", "G": "goal", ".": "ground", "C": "cliff"}
+        around = []  # what each move leads onto: a text agent reads it without finding itself on the board first
+        for move in ("left", "down", "right", "up"):
+            dr, dc = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}[move]
+            r, c = row + dr, col + dc
+            around.append(f"{move} {names[grid[r][c]] if 0 <= r < rows and 0 <= c < cols else 'edge'}")
         grid[row][col] = "@"
-        return "\n".join(" ".join(r) for r in grid)
+        return "\n".join(" ".join(r) for r in grid) + f"\nRow {row}, column {col}: " + ", ".join(around) + "."
 
     def parse(self, action: str) -> int | None:
         found = re.findall(r"\b(" + "|".join(self.moves) + r")\b", action.lower())
