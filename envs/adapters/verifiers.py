@@ -33,6 +33,7 @@ import asyncio
 import importlib
 import itertools
 import json
+import os
 import queue
 import random
 import sys
@@ -419,12 +420,12 @@ def environment_class(name: str, kwargs: dict) -> type[VerifiersEnv]:
     """The environment class of verifiers taskset module `name` with `kwargs`; a wrong module or field stops here."""
     spec = f"verifiers:{name}"
     check_kwargs(spec, kwargs, SETTINGS)
-    import os
-
     os.environ.setdefault(KEY_VARIABLE, "local")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if os.getcwd() not in paths:  # verifiers starts tool servers as child processes: they import the module too
+        os.environ["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *paths])
     try:
         module = importlib.import_module(name)
     except ImportError as e:
