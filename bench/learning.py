@@ -45,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     groups = grouped(rows)
     plot(groups, args.out / "curves.png")
     for (environment, difficulty), group in groups.items():
-        name = environment.replace(" ", "_")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", environment)  # `textarena:GuessTheNumber-v0`: no colon in a file name
         plot({(environment, difficulty): group}, args.out / f"curves_{name}_d{difficulty}.png")
     options = json.loads(json.dumps(vars(args), default=str))  # paths as text
     write_result(args.out, "learning", options, measured(rows, args.threshold, at), text)
