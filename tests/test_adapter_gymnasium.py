@@ -17,12 +17,10 @@ bumps the west edge and stays put (never ending on its own).
 
 from __future__ import annotations
 
-import sys
-
 import gymnasium
 import pytest
 
-from envs.adapters import _adapter_class, adapter_class
+from envs.adapters import adapter_class
 from envs.sources import load_environment
 from envs.tiny import build_tokenizer, check_expert, demonstrations
 from trainers.agent_loop import LoopSettings, play
@@ -194,20 +192,6 @@ def test_bad_environment_kwargs_name_the_field_and_the_key():
     with pytest.raises(SystemExit) as e:
         load_environment("gymnasium:Taxi-v4", {"random_map": 4})  # only the lakes have maps
     assert "environment_kwargs" in str(e.value) and "random_map" in str(e.value)
-
-
-def test_a_missing_package_stops_with_the_install_command(monkeypatch):
-    for name in [m for m in sys.modules if m == "gymnasium" or m.startswith("gymnasium.")]:
-        monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setitem(sys.modules, "gymnasium", None)
-    monkeypatch.delitem(sys.modules, "envs.adapters.gymnasium", raising=False)
-    _adapter_class.cache_clear()
-    try:
-        with pytest.raises(SystemExit) as e:
-            load_environment("gymnasium:FrozenLake-v1")
-        assert "pip install" in str(e.value) and "gymnasium" in str(e.value)
-    finally:
-        _adapter_class.cache_clear()
 
 
 @pytest.mark.parametrize(

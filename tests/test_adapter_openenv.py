@@ -16,7 +16,6 @@ import json
 import random
 import re
 import socket
-import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import textarena
 
-from envs.adapters import _adapter_class, adapter_class
+from envs.adapters import adapter_class
 from envs.sources import load_environment
 from envs.tiny import TinySpec, build_tokenizer, check_expert, demonstrations
 from trainers.agent_loop import LoopSettings, play
@@ -242,20 +241,6 @@ def test_bad_environment_kwargs_name_the_field_and_the_key():
     with pytest.raises(SystemExit) as e:
         load_environment(SPEC, {"action_field": "move"})  # GameAction's field is `message`
     assert "environment_kwargs" in str(e.value) and "move" in str(e.value)
-
-
-def test_a_missing_package_stops_with_the_install_command(monkeypatch):
-    for name in [m for m in sys.modules if m == "openenv" or m.startswith("openenv.")]:
-        monkeypatch.setitem(sys.modules, name, None)  # an import of it fails, as when it is not installed
-    monkeypatch.setitem(sys.modules, "openenv", None)
-    monkeypatch.delitem(sys.modules, "envs.adapters.openenv", raising=False)
-    _adapter_class.cache_clear()
-    try:
-        with pytest.raises(SystemExit) as e:
-            load_environment(SPEC)
-        assert "pip install" in str(e.value) and "openenv-core" in str(e.value)
-    finally:
-        _adapter_class.cache_clear()
 
 
 def test_the_environments_expert_passes_the_tiny_default_check(local):
