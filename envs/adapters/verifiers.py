@@ -331,7 +331,7 @@ class VerifiersEnv(Env):
             self.observation_role = role
             return text, 0.0, False, {"success": False}
         self.done = True
-        self._forget()
+        self.close()  # over, or failed (a timeout: verifiers' run is cancelled, not left waiting)
         if kind == "error":
             error = event[0]
             return (f"error: {type(error).__name__}: {error}", 0.0, True, {"success": False, "env_error": True})
