@@ -44,6 +44,7 @@ from fastapi import FastAPI
 from openenv.core.env_server.http_server import HTTPEnvServer
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.generic_client import GenericEnvClient
+from pydantic import ValidationError
 
 from envs.adapters import check_kwargs, seed_tasks
 from envs.base import Env
@@ -253,8 +254,6 @@ class OpenEnvEnv(Env):
             raise RuntimeError("reset(task) must start an episode before step")
         payload = self._action(action)
         if self.env is not None:
-            from pydantic import ValidationError
-
             action_cls, _ = action_and_observation(self.env_cls)
             try:
                 observation = self.env.step(action_cls.model_validate(payload))
