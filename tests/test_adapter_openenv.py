@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import socket
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import textarena
 
 from envs.adapters import adapter_class
 from envs.sources import load_environment
 from envs.tiny import TinySpec, build_tokenizer, check_expert, demonstrations
+from tests.guess_the_number import bisect_play, package_secret
 from trainers.agent_loop import LoopSettings, play
 
 SPEC = "openenv:examples.openenv_textarena:TextArenaEnvironment"
@@ -70,35 +69,11 @@ def tasks(local):
     return local.make_tasks("train", 8, seed=0)
 
 
-def package_secret(seed: int) -> int:
-    """The number TextArena itself draws for `seed` (its global `random` restored afterwards)."""
-    state = random.getstate()
-    try:
-        raw = textarena.make("GuessTheNumber-v0-raw")
-        raw.reset(num_players=1, seed=seed)
-        return raw.game_number
-    finally:
-        random.setstate(state)
-
-
 def bisect_episode(cls, task: dict) -> tuple[str, list[int], list[tuple]]:
-    """A fresh episode of `cls` on `task`, played by bisection on the words "higher" / "lower" of each observation."""
+    """A fresh episode of `cls` on `task`, played by bisection on the hints: (first observation, guesses, results)."""
     env = cls()
     first = env.reset(task)
-    low, high = map(int, re.search(r"between (\d+) and (\d+)", first).groups())
-    guesses, results = [], []
-    while True:
-        guesses.append((low + high) // 2)
-        results.append(env.step(f"[{guesses[-1]}]"))
-        observation, _, done, _ = results[-1]
-        if done or len(guesses) > 10:
-            return first, guesses, results
-        if "higher" in observation:
-            low = guesses[-1] + 1
-        elif "lower" in observation:
-            high = guesses[-1] - 1
-        else:
-            raise AssertionError(f"no hint in {observation!r}")
+    return (first, *bisect_play(env, first))
 
 
 def test_in_process_bisection_wins_within_five_guesses(local, tasks):

@@ -12,7 +12,6 @@ that seed, independently of the adapter.
 from __future__ import annotations
 
 import random
-import re
 
 import pytest
 import textarena
@@ -20,6 +19,7 @@ import textarena
 from envs.adapters import _adapter_class, adapter_class
 from envs.sources import load_environment
 from envs.tiny import build_tokenizer, check_expert, demonstrations
+from tests.guess_the_number import bisect_play, package_secret
 from trainers.agent_loop import LoopSettings, play
 
 SPEC = "textarena:GuessTheNumber-v0"
@@ -34,37 +34,6 @@ def game():
 @pytest.fixture(scope="module")
 def tasks(game):
     return game.make_tasks("train", 6, seed=0)
-
-
-def package_secret(seed: int) -> int:
-    """The number TextArena itself draws for `seed` (its global `random` restored afterwards)."""
-    state = random.getstate()
-    try:
-        raw = textarena.make("GuessTheNumber-v0-raw")
-        raw.reset(num_players=1, seed=seed)
-        return raw.game_number
-    finally:
-        random.setstate(state)
-
-
-def bisect_play(env, first: str) -> tuple[list[int], list[tuple]]:
-    """Play by bisection on the words "higher" / "lower" of each observation; (guesses, step results)."""
-    low, high = map(int, re.search(r"between (\d+) and (\d+)", first).groups())
-    guesses, results = [], []
-    while True:
-        guess = (low + high) // 2
-        guesses.append(guess)
-        result = env.step(f"I guess [{guess}]")
-        results.append(result)
-        observation, _, done, _ = result
-        if done:
-            return guesses, results
-        if "higher" in observation:
-            low = guess + 1
-        elif "lower" in observation:
-            high = guess - 1
-        else:
-            raise AssertionError(f"no hint in {observation!r}")
 
 
 def test_bisection_on_the_hints_wins_within_five_guesses(game, tasks):
