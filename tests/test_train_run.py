@@ -1,6 +1,9 @@
 """train.py end to end: one ordinary `train.main` run, offline, on a tiny default built small (1 SFT step on 32
 demonstrations, a few seconds), 2 GRPO steps, held-out evaluation before and after, and the run folder it leaves:
-summary.json, curves.png and the trained policy."""
+summary.json, curves.png and the trained policy.
+
+The 1-step agent earns no reward from the shop, so the run also gives `distinct_chars` (below, by import path as a
+user would): the reward then varies inside the groups, the gradient is not 0 and the saved policy is a trained one."""
 
 from __future__ import annotations
 
@@ -14,10 +17,20 @@ from transformers import AutoModelForCausalLM
 import train
 
 
+def distinct_chars(completions, **kwargs) -> list[float]:
+    """A reward that differs between rollouts of an untrained agent: the share of distinct characters.
+
+    >>> distinct_chars(["aab", "abc"])
+    [0.5, 0.75]
+    """
+    return [len(set(c)) / (1 + len(c)) for c in completions]
+
+
 def test_train_main_writes_summary_curves_and_model(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
     argv = ["--trainer", "grpo", "--environment", "shop", "--model_name_or_path", "tiny:shop"]
+    argv += ["--reward_funcs", "trainers.base.env_reward", "tests.test_train_run.distinct_chars"]  # summed
     argv += ["--tiny_sft_steps", "1", "--tiny_num_demos", "32"]  # a weak agent, built in seconds
     argv += ["--num_train_tasks", "8", "--num_eval_tasks", "3", "--eval_samples", "2", "--eval_batch_size", "6"]
     argv += ["--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "4"]
@@ -49,14 +62,15 @@ def test_train_main_writes_summary_curves_and_model(tmp_path, monkeypatch):
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     model = AutoModelForCausalLM.from_pretrained(out)  # the saved policy reloads
     assert model.config.hidden_size == 128 and (out / "tokenizer.json").exists()
-    # The saved weights are the trained ones. The 1-step agent earns no reward here, so every advantage and gradient
-    # is 0 and AdamW's decoupled weight decay is the only change: 2 steps at lr 1e-3, wd 0.5 scale each decayed weight
-    # by (1 - 5e-4)^2; biases and norm weights are not decayed (transformers' decay groups) and stay as built.
-    assert all(row["grad_norm"] == 0.0 and row["loss"] == 0.0 for row in steps)
+    # The saved weights are the trained ones: the reward varies inside the groups, so a step has a gradient, and
+    # every weight moved by more than AdamW's decoupled weight decay alone would move it (2 steps at lr 1e-3, wd 0.5
+    # scale each decayed weight by (1 - 5e-4)^2; biases and norm weights are not decayed, transformers' decay groups).
+    assert all(row["frac_reward_zero_std"] < 1.0 for row in steps)  # some group of each step has varied rewards
+    assert all(math.isfinite(row["grad_norm"]) for row in steps) and any(row["grad_norm"] > 0 for row in steps)
     start, saved = load_file(built / "model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(saved) == sorted(start)
     for name, w in start.items():
         decayed = name.endswith(".weight") and "norm" not in name
-        expected = w.double() * (1 - 1e-3 * 0.5) ** 2 if decayed else w.double()
-        close = torch.allclose(saved[name].double(), expected, rtol=1e-6, atol=0.0)
-        assert close, f"{name}: saved weights are not the built ones {'decayed' if decayed else 'unchanged'}"
+        decay_only = w.double() * (1 - 1e-3 * 0.5) ** 2 if decayed else w.double()
+        moved = not torch.allclose(saved[name].double(), decay_only, rtol=1e-6, atol=0.0)
+        assert moved, f"{name}: saved weights are the built ones {'decayed' if decayed else 'unchanged'}"
