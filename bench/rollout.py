@@ -8,10 +8,10 @@ the same sampling settings (GRPOConfig defaults: temperature 1, top_p 1, top_k 0
 * turns: `max_turns=K` (ours) and `max_tool_calling_iterations=K-1` (TRL: one first turn plus K-1 post-tool turns);
 * all turns together: `max_completion_length` (both).
 
-What is timed is one call of each trainer's `_generate_and_score_completions` on the same `--episodes` rows: the
-whole rollout phase of a GRPO step (environment reset, prompt rendering, multi-turn generation, tool calls, reward,
-padding), without the optimizer step. Ours is `AgentGRPOTrainer(env_factory=lambda row: ToolEnv(ShopTools))`, whose
-`rollout_func` runs `trainers/agent_loop.play` (which also computes sampling log-probs); TRL's is
+What is timed is one generation batch of each trainer (`trainers.trl_api.generation_batch`) on the same `--episodes`
+rows: the whole rollout phase of a GRPO step (environment reset, prompt rendering, multi-turn generation, tool calls,
+reward, padding), without the optimizer step. Ours is `AgentGRPOTrainer(env_factory=lambda row: ToolEnv(ShopTools))`,
+whose `rollout_func` runs `trainers/agent_loop.play` (which also computes sampling log-probs); TRL's is
 `GRPOTrainer(environment_factory=ShopTools)`. Two more arms show where ours gains: ours sampling through
 transformers' `model.generate` instead of its own decode loop (`agent_loop.sample_tokens`), and ours with
 `reuse_kv_cache: false` (each turn prefills the whole context again). The loops alternate `--repeats` times
@@ -51,6 +51,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 
 from bench.record import RESULTS, write_result  # noqa: E402
+from trainers.trl_api import generation_batch  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, (trainer, _) in loops.items():  # untimed warm-up: one group each (its time is kept, not compared)
         with through_generate(name == GENERATE_ARM):
             start = time.perf_counter()
-            trainer._generate_and_score_completions([dict(x) for x in inputs[: args.group_size]])
+            generation_batch(trainer, [dict(x) for x in inputs[: args.group_size]])
             warmup[name] = time.perf_counter() - start
 
     runs: list[dict] = []  # one record per timed call, in the order they ran
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.manual_seed(args.seed + r)
             with through_generate(name == GENERATE_ARM):
                 start = time.perf_counter()
-                out = trainer._generate_and_score_completions([dict(x) for x in inputs])
+                out = generation_batch(trainer, [dict(x) for x in inputs])
                 seconds = time.perf_counter() - start
             if name == names[0]:
                 last_ours = out

@@ -45,13 +45,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
-from trl import GRPOTrainer  # noqa: E402
 
 from bench.record import RESULTS, write_result  # noqa: E402
 from envs import ENVIRONMENTS  # noqa: E402
 from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, demonstrations, tiny_model  # noqa: E402
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, env_reward  # noqa: E402
 from trainers.routing_replay import RouteRecorder, find_routers, replay_routes, routing_flips  # noqa: E402
+from trainers.trl_api import TRLSeams  # noqa: E402
 
 REFERENCE_MODELS = {  # (MoE layers L, experts per token k), from the public configs; Eq. 8 only, not measured
     "Qwen3-30B-A3B": (48, 8),
@@ -103,13 +103,13 @@ def run(folder: str, env: str, replay: bool, args: argparse.Namespace, out_dir: 
     routers = find_routers(policy)
     lagged = defaultdict(lambda: defaultdict(list))  # {"replay" | "free" | "flip": {lag: [values]}}
     micro_step = {"lag": 0}
-    generate_and_score = trainer._generate_and_score_completions
+    generate_and_score = trainer.generate_and_score
 
     def generation(inputs):
         micro_step["lag"] = 0
         return generate_and_score(inputs)
 
-    compute_loss = trainer._compute_loss
+    compute_loss = trainer.micro_batch_loss
 
     def measured(model, inputs):  # before the loss: the same weights, replayed and free
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # (B, S)
@@ -120,13 +120,11 @@ def run(folder: str, env: str, replay: bool, args: argparse.Namespace, out_dir: 
         lag = micro_step["lag"]
         with torch.no_grad():
             with trainer.free_routing(), RouteRecorder(policy) as recorder:
-                free = GRPOTrainer._get_per_token_logps_and_entropies(trainer, policy, input_ids, attention, T)[0]
+                free = TRLSeams.token_logps(trainer, policy, input_ids, attention, T)[0]
             lagged["free"][lag].append((free - q)[mask].abs().mean().item())  # Eq. 10 form, one micro-batch
             if "routing" in inputs:
                 with replay_routes(policy, inputs["routing"], attention):  # Eq. 3
-                    replayed = GRPOTrainer._get_per_token_logps_and_entropies(
-                        trainer, policy, input_ids, attention, T
-                    )[0]
+                    replayed = TRLSeams.token_logps(trainer, policy, input_ids, attention, T)[0]
                 lagged["replay"][lag].append((replayed - q)[mask].abs().mean().item())
                 lagged["routing"][lag].append((replayed - free)[mask].abs().mean().item())  # routing's own share
                 rows = mask.any(1, keepdim=True)  # (B, 1) rows bearing model tokens
@@ -135,8 +133,8 @@ def run(folder: str, env: str, replay: bool, args: argparse.Namespace, out_dir: 
         micro_step["lag"] += 1
         return compute_loss(model, inputs)
 
-    trainer._generate_and_score_completions = generation
-    trainer._compute_loss = measured
+    trainer.generate_and_score = generation
+    trainer.micro_batch_loss = measured
     start = time.time()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "routing/logp_gap" in h]

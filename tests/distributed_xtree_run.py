@@ -49,22 +49,22 @@ def main(folder: str, out: str) -> None:
     trainer = XTreeTrainer(model=folder, reward_funcs=[token_reward], args=args, train_dataset=data,
                            env_factory=lambda row: EchoEnv())  # fmt: skip
     batches = []
-    parent = AgentGRPOTrainer._calculate_rewards
+    parent = AgentGRPOTrainer.calculate_rewards
 
     def spy_parent(self, *a):
         raw = parent(self, *a)
         batches.append({"raw": raw.tolist()})
         return raw
 
-    AgentGRPOTrainer._calculate_rewards = spy_parent
-    shape = trainer._calculate_rewards
+    AgentGRPOTrainer.calculate_rewards = spy_parent
+    shape = trainer.calculate_rewards
 
     def spy(*a):
         shaped = shape(*a)
         batches[-1]["shaped"] = shaped.tolist()
         return shaped
 
-    trainer._calculate_rewards = spy
+    trainer.calculate_rewards = spy
     trainer.train()
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"batches": batches, "group": args.num_generations}, f)

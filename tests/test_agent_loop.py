@@ -285,14 +285,14 @@ def test_sampler_stops_when_every_row_has_ended_and_pads_after_the_end():
 
 
 def test_growing_cache_layer_holds_what_a_dynamic_layer_holds():
-    """The same prefill, decode writes, row selection, crop and row repetition on `_GrowingLayer` and transformers'
+    """The same prefill, decode writes, row selection, crop and row repetition on `GrowingLayer` and transformers'
     `DynamicLayer` leave equal keys and values (the growing layer outgrows its buffer twice on the way)."""
     from transformers.cache_utils import DynamicLayer
 
-    from trainers.agent_loop import _GrowingLayer
+    from trainers.trl_api import GrowingLayer
 
     torch.manual_seed(0)
-    layers = [DynamicLayer(), _GrowingLayer()]
+    layers = [DynamicLayer(), GrowingLayer()]
     writes = [torch.randn(4, 2, 3, 8)] + [torch.randn(4, 2, 1, 8) for _ in range(7)]
     for w in writes:
         outs = [layer.update(w, -w) for layer in layers]
@@ -313,10 +313,10 @@ def test_growing_cache_layer_holds_what_a_dynamic_layer_holds():
 def test_narrowed_layer_keeps_every_row_written_and_zeros_after_a_row_left():
     """Rows 0-3 for 3 positions, then rows 1 and 3 only for 2 positions, then row 3 only for 1: after `widen` every
     row holds what was written for it, in batch order, and zeros where it was no longer decoded."""
-    from trainers.agent_loop import _GrowingLayer
+    from trainers.trl_api import GrowingLayer
 
     torch.manual_seed(0)
-    layer = _GrowingLayer()
+    layer = GrowingLayer()
     first = torch.randn(4, 2, 3, 8)
     layer.update(first, first + 1)
     rows = torch.arange(4)
@@ -345,12 +345,12 @@ def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse(monke
 
     from envs.shop import ShopEnv
     from envs.tiny import SHIPPED
-    from trainers import agent_loop
+    from trainers import agent_loop, trl_api
 
     folder = next(SHIPPED.glob("tiny-shop-*"))
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    narrowed, real_narrow = [], agent_loop._GrowingLayer.narrow
-    layer_cls = agent_loop._GrowingLayer
+    narrowed, real_narrow = [], trl_api.GrowingLayer.narrow
+    layer_cls = trl_api.GrowingLayer
     monkeypatch.setattr(layer_cls, "narrow", lambda self, *a: narrowed.append(1) or real_narrow(self, *a))
     tok = AutoTokenizer.from_pretrained(folder)
     tasks = ShopEnv.make_tasks("eval", 12, seed=0)
@@ -403,12 +403,13 @@ def test_rows_leave_the_batch_only_after_their_end_id_is_written():
     and had their end id fed, so the batch narrows, but row 2, which ends at that very step, stays one step more so
     that its end id is written; row 3 goes on alone. After the call every row's cache holds its context and each id it
     keeps (up to and including its end id), then zeros; the cache spans S + t - 1 positions."""
-    from trainers.agent_loop import _GrowingLayer, logits_processors, sample_tokens
+    from trainers.agent_loop import logits_processors, sample_tokens
+    from trainers.trl_api import GrowingLayer
 
     script = [[9], [9], [5, 9], [6, 7, 8, 6, 9]]
     model = ScriptedCacheModel(script, vocab=10)
     ids = torch.tensor([[0, 4, 4], [1, 4, 4], [2, 4, 4], [3, 4, 4]])
-    cache = type("Cache", (), {"layers": [_GrowingLayer(), _GrowingLayer()], "get_seq_length": lambda self: 0})()
+    cache = type("Cache", (), {"layers": [GrowingLayer(), GrowingLayer()], "get_seq_length": lambda self: 0})()
     sequences, _ = sample_tokens(model, ids, torch.ones_like(ids), cache, 8, logits_processors(do_sample=False),
                                  False, [9], 0)  # fmt: skip
     assert sequences[:, 3:].tolist() == [[9, 0, 0, 0, 0], [9, 0, 0, 0, 0], [5, 9, 0, 0, 0], [6, 7, 8, 6, 9]]

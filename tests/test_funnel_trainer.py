@@ -232,13 +232,13 @@ def test_test_split_never_reaches_the_loop(tiny_model_folder, tmp_path, monkeypa
 
     monkeypatch.setattr("trainers.funnel_loop.play_condition", spy)
     batches = []
-    original = FunnelTrainer._generate_and_score_completions
+    original = FunnelTrainer.generate_and_score
 
     def spy_batches(self, inputs):
         batches.append([r["task_id"] for r in inputs])
         return original(self, inputs)
 
-    monkeypatch.setattr(FunnelTrainer, "_generate_and_score_completions", spy_batches)
+    monkeypatch.setattr(FunnelTrainer, "generate_and_score", spy_batches)
     run.run()
     first = next(i for i, ids in enumerate(seen) if set(ids) & test_ids)  # the final report starts here
     assert first > 0 and all(set(ids) == test_ids for ids in seen[first:])
@@ -365,8 +365,9 @@ def test_train_py_runs_the_loop_and_reports_it(tmp_path):
 def test_an_unreachable_editor_stops_the_run_at_start_up(tmp_path, monkeypatch):
     """The API editor's endpoint is probed before any model is built, as the judges' are."""
     import train
+    from agent_trl import run_info
 
-    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before probing the editor"))
+    monkeypatch.setattr(run_info, "tiny_model", lambda *a, **k: pytest.fail("built a model before probing the editor"))
     argv = ["--config", "configs/funnel_shop.yaml", *SMALL, "--output_dir", str(tmp_path), "--editor", "openai",
             "--editor_model", "m", "--editor_base_url", "http://127.0.0.1:9/v1"]  # fmt: skip
     with pytest.raises(SystemExit, match="editor_base_url"):

@@ -84,14 +84,14 @@ def actor_logps(trainer: AgentGRPOTrainer, batch: dict, monkeypatch) -> tuple[to
     """Run the trainer's actor forward (compute_loss, no grad, eval mode) and return its per-token log-probs (B, T)
     and the expert ids the experts modules actually received, per MoE layer ((B * S, k) each)."""
     captured, used = [], []
-    original = trainer._get_per_token_logps_and_entropies
+    original = trainer.token_logps
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
         captured.append(out[0].detach())
         return out
 
-    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", spy)
+    monkeypatch.setattr(trainer, "token_logps", spy)
     experts = [m for name, m in trainer.model.named_modules() if name.endswith("mlp.experts")]
     handles = [m.register_forward_pre_hook(lambda mod, args: used.append(args[1].clone())) for m in experts]
     trainer.model.eval()

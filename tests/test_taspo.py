@@ -533,13 +533,13 @@ def last_metrics(trainer) -> dict[str, float]:
 
 def count_forwards(trainer, monkeypatch) -> list:
     """Records (input_ids, attention_mask, logits_to_keep) of each teacher-pass forward."""
-    calls, original = [], trainer._get_per_token_logps_and_entropies
+    calls, original = [], trainer.token_logps
 
     def spy(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         calls.append((input_ids.clone(), attention_mask.clone(), logits_to_keep))
         return original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", spy)
+    monkeypatch.setattr(trainer, "token_logps", spy)
     return calls
 
 

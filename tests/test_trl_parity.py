@@ -43,14 +43,14 @@ def test_private_trainer_signatures_are_pinned(name):
     from transformers import Trainer
 
     params = list(inspect.signature(getattr(Trainer, name)).parameters)
-    assert params == PINNED_TRAINER[name], f"transformers changed Trainer.{name}: {params}; update trainers/base.py"
+    assert params == PINNED_TRAINER[name], f"transformers changed Trainer.{name}: {params}; update trainers/trl_api.py"
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
 def test_private_signatures_are_pinned(name):
     params = list(inspect.signature(getattr(GRPOTrainer, name)).parameters)
     expected = PINNED[name]
-    assert params[: len(expected)] == expected, f"TRL changed GRPOTrainer.{name}: {params}; update trainers/base.py"
+    assert params[: len(expected)] == expected, f"TRL changed GRPOTrainer.{name}: {params}; update trainers/trl_api.py"
 
 
 def distinct_chars(completions, **kwargs):
@@ -237,12 +237,13 @@ def test_trl_names_the_critic_trainers_read(tiny_model_folder, tmp_path):
 
 
 def test_fused_head_scores_only_labelled_positions_on_cpu(tiny_model_folder, monkeypatch):
-    """docs/methods/grpo.md D12: on CPU TRL's fused head projects only positions with a label (trainers/base.py turns
-    its compact path on), and its log-probs equal a log-softmax over the plain model's logits there, 0 elsewhere."""
+    """docs/methods/grpo.md D12: on CPU TRL's fused head projects only positions with a label (`cpu_fast_paths` of
+    trainers/trl_api.py turns its compact path on), and its log-probs equal a log-softmax over the plain model's logits
+    there, 0 elsewhere."""
     import trl.trainer.utils as trl_utils
     from transformers import AutoModelForCausalLM
 
-    import trainers.base  # noqa: F401  (the switch is made on import)
+    from trainers.trl_api import cpu_fast_paths
 
     fused = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
@@ -253,7 +254,7 @@ def test_fused_head_scores_only_labelled_positions_on_cpu(tiny_model_folder, mon
     labels = ids.clone()
     labels[0, :6] = -100  # row 0: positions 6-9 labelled
     labels[1, [0, 1, 4, 5]] = -100  # row 1: positions 2, 3, 6-9 labelled
-    with torch.no_grad():
+    with torch.no_grad(), cpu_fast_paths():
         out = fused(input_ids=ids, labels=labels, fused_lm_head=True)
         logits = plain(input_ids=ids).logits
     assert rows == [4 + 6]  # labelled positions after the first (position 0 predicts nothing)

@@ -153,8 +153,8 @@ def test_bonus_column_is_eq_10_per_group_in_row_order(tiny_model_folder, tmp_pat
     two (w = 0.5 >= w_max: λ = 0), and no win with max B = 0 (bonus 0, no NaN)."""
     trainer = make_trainer(tiny_model_folder, tmp_path)
     raw = torch.tensor([[0.0, 1.0], [0.0, 3.0], [1.0, 2.0], [0.0, 5.0], [0.0, 0.0], [float("nan"), 0.0]])
-    monkeypatch.setattr(AgentGRPOTrainer, "_calculate_rewards", lambda self, *a: raw.clone())
-    out = trainer._calculate_rewards([], [], [], [])
+    monkeypatch.setattr(AgentGRPOTrainer, "calculate_rewards", lambda self, *a: raw.clone())
+    out = trainer.calculate_rewards([], [], [], [])
     lam = 0.75  # w = 0 in group 0: λ0 (1 - 0/0.4)
     expected_bonus = [lam * 2.0 * 1 / 3, lam * 2.0 * 3 / 3, 0.0, 0.0, 0.0, 0.0]
     assert torch.equal(out[:, 0].nan_to_num(-1), raw[:, 0].nan_to_num(-1))

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
-from transformers.cache_utils import DynamicLayer
 
 from envs.base import Env, row_task, state_key_of
+from trainers.trl_api import growing_cache, per_position_cache, unwrap_model_for_generation, weights_sharded
 
 # A generation backend: (contexts, max_new_tokens) -> one (sampled ids, sampling log-probs) pair per context, or one
 # (sampled ids, sampling log-probs, routes) triple when it records MoE routes: routes (len(context) + len(ids) - 1,
@@ -442,7 +442,7 @@ def sample_tokens(
       (`torch.multinomial` draws an exponential variate per vocabulary entry: 1.7 ms of a 10 ms decode step of the
       tiny default, batch 64);
     - once half the rows being decoded have ended (and their end id has been fed), the others go on as a smaller
-      batch (`_GrowingLayer.narrow`): a turn's short actions stop costing compute while its long ones finish. The
+      batch (`GrowingLayer.narrow`): a turn's short actions stop costing compute while its long ones finish. The
       rows left out keep zeros in their later cache positions, which the next turn masks (`_PrefixCache`).
     """
     if max_new_tokens < 1:
@@ -495,114 +495,13 @@ def sample_tokens(
     return sequences, torch.stack(logps, 1)
 
 
-class _GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values are views into buffers with room to spare, so that a decode step writes
-    its position in place where `DynamicLayer` copies the whole cache (`torch.cat`; about a quarter of a decode step of
-    the tiny default at 300 cached positions). The buffers double when full."""
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.key_buffer = self.value_buffer = None
-        self.length = 0
-        self.full = None  # (keys, values) of the whole batch while `narrow`ed
-        self.synced = 0  # positions [0, synced) of the decoded rows are in `full`
-
-    def _views(self) -> None:
-        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n, q = self.length, key_states.shape[-2]
-        if self.key_buffer is None or n + q > self.key_buffer.shape[-2]:
-            room = 2 * (n + q)
-            keys = key_states.new_empty((*key_states.shape[:2], room, key_states.shape[-1]))
-            values = value_states.new_empty((*value_states.shape[:2], room, value_states.shape[-1]))
-            if n:
-                keys[:, :, :n], values[:, :, :n] = self.keys, self.values
-            self.key_buffer, self.value_buffer = keys, values
-        self.key_buffer[:, :, n : n + q] = key_states
-        self.value_buffer[:, :, n : n + q] = value_states
-        self.length = n + q
-        self._views()
-        return self.keys, self.values
-
-    def narrow(self, rows: torch.Tensor, keep: torch.Tensor, n: int, capacity: int) -> None:
-        """Go on with the rows `rows[keep]` only (`rows` (W,): the batch rows this layer's buffers hold, in order, out
-        of `n`). The whole batch is kept aside, zeros after each row's written positions, with room for `capacity`."""
-        if self.full is None:
-            k, v = self.key_buffer, self.value_buffer
-            self.full = [
-                k.new_zeros((n, k.shape[1], capacity, k.shape[3])),
-                v.new_zeros((n, v.shape[1], capacity, v.shape[3])),
-            ]
-            self.synced = 0  # nothing written back yet
-        self._write_back(rows)
-        self.key_buffer, self.value_buffer = self.full[0][rows[keep]], self.full[1][rows[keep]]
-        self._views()
-
-    def widen(self, rows: torch.Tensor) -> None:
-        """After `narrow`: the whole batch again, the rows `rows` with everything written since."""
-        if self.full is not None:
-            self._write_back(rows)
-            self.key_buffer, self.value_buffer = self.full
-            self.full = None
-            self._views()
-
-    def _write_back(self, rows: torch.Tensor) -> None:
-        span = slice(self.synced, self.length)
-        self.full[0][rows, :, span] = self.key_buffer[:, :, span]
-        self.full[1][rows, :, span] = self.value_buffer[:, :, span]
-        self.synced = self.length
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove < 0 and self.is_initialized and self.length:
-            self.length = max(0, self.length + tokens_to_remove)
-            self._views()
-        else:
-            super().crop(tokens_to_remove)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.get_seq_length() > 0:
-            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
-            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
-            self._views()
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.get_seq_length() > 0:
-            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
-            self._views()
-
-
 def sharded_across_processes(model) -> bool:
     """Whether `model`'s weights are sharded over several processes (DeepSpeed ZeRO-3 or FSDP), so that every forward
     is a collective: `generate` then keeps the processes' decode steps in step (`synced_gpus`), and the agent loop
     leaves sampling to it. The test is the one `generate` makes."""
-    from transformers.distributed.fsdp import is_fsdp_managed_module
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
     several = torch.distributed.is_available() and torch.distributed.is_initialized()
     several = several and torch.distributed.get_world_size() > 1
-    return several and (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))
-
-
-def growing_cache(model):
-    """An empty `DynamicCache` for `model` with `_GrowingLayer`s, or None when the model's cache is not one plain
-    per-position cache per layer (sliding-window, linear-attention or encoder-decoder models: `generate` handles
-    those)."""
-    from transformers import DynamicCache
-
-    config = model.config
-    if config.is_encoder_decoder or not getattr(model, "can_generate", lambda: False)():
-        return None
-    try:
-        cache = DynamicCache(config=config)
-    except Exception:  # a config DynamicCache cannot read
-        return None
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    cache.layers = [_GrowingLayer() for _ in cache.layers]
-    return cache
+    return several and weights_sharded(model)
 
 
 class _PrefixCache:
@@ -669,7 +568,7 @@ class _PrefixCache:
 
     def store(self, contexts, generated, input_mask, sequences, cache) -> None:
         """Keep the call's record, or drop it when the cache is not a plain per-position cache of S - 1 tokens."""
-        plain = cache is not None and all(type(layer) in (DynamicLayer, _GrowingLayer) for layer in cache.layers)
+        plain = cache is not None and per_position_cache(cache)
         if not plain or cache.get_seq_length() != sequences.shape[1] - 1:
             self.cache = None  # sliding-window, linear-attention or static caches: always prefill in full
             return
@@ -738,8 +637,6 @@ def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
     Every process makes the same number of generate calls (`trainer.num_live_global`); with
     `trainer.replay_routing` the HF backend records MoE routes (routing-replay.md D1).
     """
-    from trl.models import unwrap_model_for_generation
-
     rows = trainer._rows
     if len(rows) != len(prompts):
         raise RuntimeError(f"trainer_rollouts got {len(prompts)} prompts but {len(rows)} stashed rows")

@@ -45,6 +45,7 @@ from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
 from trainers.credit import credit_metrics, redistribute_multiplicative, turn_token_counts
 from trainers.encoder import build_encoder, calibration
 from trainers.teacher import score_after_prefixes, teacher_logps, with_privileged_block
+from trainers.trl_api import unwrap_model_for_generation
 
 logger = logging.getLogger(__name__)
 
@@ -470,7 +471,6 @@ class AlignOPSDTrainer(AgentGRPOTrainer):
         """One free teacher generation per context (alignopsd.md Eq. 2), at the rollout's sampling settings, in chunks,
         under the step's deadline; an unfinished generation gives ''. Returns texts, timeouts, generated tokens."""
         from transformers import GenerationConfig
-        from trl.models import unwrap_model_for_generation
 
         args, tok = self.args, getattr(self.processing_class, "tokenizer", self.processing_class)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

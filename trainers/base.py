@@ -1,4 +1,4 @@
-"""AgentGRPOTrainer: GRPOTrainer with multi-turn environments and two hooks. Only this file touches TRL internals.
+"""AgentGRPOTrainer: GRPOTrainer with multi-turn environments and two hooks.
 
 What it adds to `trl.GRPOTrainer` (TRL 1.16.0), of which it is a drop-in (TRL's parameters in TRL's order, a plain
 `GRPOConfig` or None accepted, TRL's reward sources and errors):
@@ -17,16 +17,15 @@ What it adds to `trl.GRPOTrainer` (TRL 1.16.0), of which it is a drop-in (TRL's 
 5. `scheduler: envsched`: the task scheduler of `trainers/envsched.py` chooses each generation batch's tasks (through
    TRL's sampler seam) and is updated with the batch's gathered rewards; its state travels in `agent_state.json`.
 
-Private TRL methods overridden here, pinned by `tests/test_trl_parity.py`: `_generate_and_score_completions`,
-`_calculate_rewards`, `_compute_loss`, `_get_per_token_logps_and_entropies`, `_get_train_sampler` (EnvSched's sampler
-under `scheduler: envsched`, trainers/envsched.py; plus the public `training_step`), TRL's module-level
-`trl.trainer.utils._use_triton` (wrapped so that its fused log-prob head scores only labelled positions on CPU too,
-docs/methods/grpo.md D12; `tests/test_trl_parity.py::test_fused_head_scores_only_labelled_positions_on_cpu`),
-transformers' module-level `transformers.integrations.sdpa_attention.use_gqa_in_sdpa` (wrapped so that attention
-reads grouped key/value heads without copying them on CPU, D14; `tests/test_cpu_paths.py`), and
-transformers' `_save_checkpoint` / `_load_from_checkpoint`, which also write and read `monitor_state()`
-(`agent_state.json`: the collapse alarm's and the no-signal guard's memory, and what subclasses add), so a resumed run
-warns and stops where the uninterrupted one would.
+TRL's private API is reached only through `trainers/trl_api.py` (the TRL boundary, `TRLSeams`), whose public names
+this class overrides: `generate_and_score`, `calculate_rewards`, `micro_batch_loss`, `token_logps`, `train_sampler`
+(EnvSched's sampler under `scheduler: envsched`, trainers/envsched.py), and `save_checkpoint` / `load_checkpoint`,
+which also write and read `monitor_state()` (`agent_state.json`: the collapse alarm's and the no-signal guard's
+memory, and what subclasses add), so a resumed run warns and stops where the uninterrupted one would. Its two CPU
+switches (TRL's fused log-prob head scores only labelled positions, docs/methods/grpo.md D12; `sdpa` attention reads
+grouped key/value heads in place, D14) are on only while the trainer trains, generates a batch or runs a log-prob
+forward (`cpu_fast_paths`). `keep_freed_memory: true` (opt-in) keeps glibc from handing freed memory back between CPU
+steps (D14).
 
 Logged metrics (besides TRL's), every generation batch, over all processes:
 - `env/success`: fraction of rollouts the environment judged successful.
@@ -54,68 +53,17 @@ from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field, fields
 
 import torch
-import trl.trainer.utils as trl_utils
 from accelerate.utils import gather, gather_object
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import get_config_model_id
+from trl import GRPOConfig
 
 from envs.base import Env
 from rewards.verifiers import assertion_count_reward, binary_success_reward
 from trainers import agent_loop
 from trainers.alarm import CollapseAlarm
 from trainers.routing_replay import RoutingReplay
+from trainers.trl_api import TRLSeams, cpu_fast_paths, get_config_model_id
 
 logger = logging.getLogger(__name__)
-
-
-def _score_labelled_positions_on_cpu() -> None:
-    """Let TRL's fused log-prob head score only the positions that have a label on CPU, as it does where Triton runs.
-
-    `trl.trainer.utils.add_fused_lm_head` asks `_use_triton(device)` whether to project only the labelled positions
-    through the LM head: elsewhere it scores every position, so that the tile shapes stay fixed on backends that
-    compile per shape. A CPU compiles nothing, so there the compact path does the same arithmetic on fewer rows. The
-    kernel's own choice of Triton or torch tiles is a separate lookup in `trl.kernels.chunked_logprob` and stays as it
-    was (docs/methods/grpo.md D12)."""
-    on_kernel_device = trl_utils._use_triton
-    if getattr(on_kernel_device, "scores_labelled_on_cpu", False):
-        return
-
-    def use_compact_path(device: torch.device) -> bool:
-        return device.type == "cpu" or on_kernel_device(device)
-
-    use_compact_path.scores_labelled_on_cpu = True
-    trl_utils._use_triton = use_compact_path
-
-
-_score_labelled_positions_on_cpu()
-
-
-def _share_key_heads_on_cpu() -> None:
-    """Let `sdpa` attention read grouped key/value heads in place on CPU (docs/methods/grpo.md D14).
-
-    A model whose query heads share key/value heads (grouped-query attention, as the tiny default's 4 query heads
-    share 2) reaches `torch.nn.functional.scaled_dot_product_attention` through transformers' `sdpa_attention_forward`.
-    With an attention mask, it passes `enable_gqa` only where `use_gqa_in_sdpa` allows, which excludes the CPU, and
-    otherwise copies every key and value head once per query head it serves (`repeat_kv`) before each call, in every
-    prefill, reference forward and loss forward. PyTorch's CPU kernels take `enable_gqa` with a mask and give the
-    same result up to float rounding (tested), so on CPU tensors the copy is skipped; other devices keep transformers'
-    own choice (on CUDA a mask with `enable_gqa` would fall back to the slow math kernel)."""
-    from transformers.integrations import sdpa_attention
-
-    allowed = sdpa_attention.use_gqa_in_sdpa
-    if getattr(allowed, "shares_key_heads_on_cpu", False):
-        return
-
-    @functools.wraps(allowed)  # `__wrapped__`: transformers' own choice
-    def use_gqa(attention_mask, key: torch.Tensor, value: torch.Tensor) -> bool:
-        return key.device.type == "cpu" or allowed(attention_mask, key, value)
-
-    use_gqa.shares_key_heads_on_cpu = True
-    sdpa_attention.use_gqa_in_sdpa = use_gqa
-
-
-_share_key_heads_on_cpu()
 
 
 def keep_freed_memory() -> bool:
@@ -238,6 +186,15 @@ class AgentGRPOConfig(GRPOConfig):
             "prefills only the new ids (the observation and the last sampled id); False prefills the whole context "
             "every turn. Off by itself when routing_replay records routes or the model's cache is not a plain "
             "per-position cache (sliding-window, linear attention)."
+        },
+    )
+    keep_freed_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "On a CPU, ask glibc's allocator (once, for the whole process) to keep freed memory for reuse "
+            "instead of handing it back to the system, so that each training step reuses the last step's activation "
+            "memory instead of page-faulting it in again, zeroed (docs/methods/grpo.md D14). The process keeps its "
+            "peak heap size. No effect on GPUs or where the C library is not glibc."
         },
     )
     routing_replay: bool = field(
@@ -432,7 +389,7 @@ def turns_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(m.bool(), starts.cumsum(dim=1) - 1, torch.full_like(m, -1))
 
 
-class AgentGRPOTrainer(GRPOTrainer):
+class AgentGRPOTrainer(TRLSeams):
     """GRPOTrainer for multi-turn agents; see the module docstring. `env_factory(row) -> Env` builds the environment of
     a dataset row (whose `task` column holds the task); without it the trainer is stock GRPO (single turn)."""
 
@@ -533,7 +490,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         self._unscorable_streak: list[float] = []  # unscorable fractions of the last batches above the guard's bound
         if self.routing_replay.setup(self.accelerator.unwrap_model(self.model)):  # refuses unsupported setups
             self.aux_loss_enabled = False  # router_aux_loss_coef is 0.0 (AgentGRPOConfig.__post_init__, D10)
-        if self.accelerator.device.type == "cpu":
+        if self.args.keep_freed_memory and self.accelerator.device.type == "cpu":
             keep_freed_memory()  # D14: a CPU step reuses its freed activations instead of faulting them in again
 
     def _attach_scheduler(self, args, train_dataset):
@@ -566,9 +523,9 @@ class AgentGRPOTrainer(GRPOTrainer):
         self.task_scheduler = EnvScheduler(names, descriptors, texts, B, settings, seed=args.seed, task_ids=ids)
         return train_dataset.add_column("sched_index", list(range(len(rows))))
 
-    def _get_train_sampler(self, dataset=None):
+    def train_sampler(self, dataset=None):
         if self.task_scheduler is None:
-            return super()._get_train_sampler(dataset)
+            return super().train_sampler(dataset)
         from trainers.envsched import SchedulerSampler
 
         repeat = self.num_iterations * self.args.steps_per_generation
@@ -603,7 +560,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         log-probs scored on the model's tokens only (docs/methods/grpo.md D12)."""
         self._scored_next = self.loss_mask(inputs)  # read by the one log-prob forward TRL's loss makes
         try:
-            return GRPOTrainer._compute_loss(self, model, inputs)
+            return self.trl_loss(model, inputs)
         finally:
             self._scored_next = None
 
@@ -626,7 +583,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         self._scored_next = self.loss_mask(inputs) if scored is None else scored
         try:
-            return self._get_per_token_logps_and_entropies(
+            return self.token_logps(
                 model,
                 input_ids,
                 attention_mask,
@@ -646,23 +603,23 @@ class AgentGRPOTrainer(GRPOTrainer):
         """Collapse-alarm kinds this trainer's `env/*` numbers cannot inform (trainers/alarm.py); none here."""
         return ()
 
-    def log_metric(self, name: str, value: float) -> None:
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode][name].append(float(value))
-
     def free_routing(self) -> AbstractContextManager[None]:
         """Policy forwards inside this block route freely even when replay is on (e.g. a critic adapter on the
         policy's base, routing-replay.md D7). Under activation checkpointing, run them before the actor forward."""
         return self.routing_replay.free_routing()
 
     # ----------------------------------------------------------------------------------------------------------------
-    # TRL overrides (signatures pinned by tests/test_trl_parity.py)
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+    # TRL's seams (trainers/trl_api.py)
+    def train(self, *args, **kwargs):
+        with cpu_fast_paths():  # docs/methods/grpo.md D12, D14; undone when training ends
+            return super().train(*args, **kwargs)
+
+    def calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super().calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._rewards_per_func = rewards_per_func  # (N_global, F), gathered across processes by TRL
         return rewards_per_func
 
-    def _compute_loss(self, model, inputs):
+    def micro_batch_loss(self, model, inputs):
         with self.routing_replay.micro_batch(inputs, self._first_micro_step):  # routing-replay.md D4, Eq. 9, Eq. 10
             return self.policy_loss(model, inputs)
 
@@ -671,11 +628,11 @@ class AgentGRPOTrainer(GRPOTrainer):
             loss = super().training_step(model, inputs, num_items_in_batch)
         finally:
             self.routing_replay.release()  # routing-replay.md D8: routes leave only after the backward has run
-        if self._step % self.current_gradient_accumulation_steps == 0:  # an optimizer step's last micro-step
+        if self.micro_step % self.current_gradient_accumulation_steps == 0:  # an optimizer step's last micro-step
             self.routing_replay.log_step_metrics()
         return loss
 
-    def _get_per_token_logps_and_entropies(
+    def token_logps(
         self,
         model,
         input_ids,
@@ -690,7 +647,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         Inside `policy_loss` and `forward_logps` it scores only the loss mask's positions, and in TRL's old and
         reference passes over a generation batch only the model's tokens (grpo.md D12). A batch padded only on the
         right runs without a padding mask (D15)."""
-        forward = super()._get_per_token_logps_and_entropies
+        forward = super().token_logps
         settings = (logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal)
         scored, self._scored_next = self._scored_next, None  # one forward: the loss's own
         if scored is None and self._batch_env_mask is not None and len(self._batch_env_mask) == input_ids.size(0):
@@ -706,17 +663,18 @@ class AgentGRPOTrainer(GRPOTrainer):
         images = any(value is not None for value in multimodal.values())  # TRL's loss passes them all, as None
         causal = not (compute_aux_loss or images or self.routing_replay.active)
         with ExitStack() as hooks:
+            hooks.enter_context(cpu_fast_paths())  # D12, D14
             if scored is not None:
                 hooks.enter_context(_ScoredLabels(model, scored))
             if causal:
                 hooks.enter_context(_CausalWithoutMask(model))
             return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
 
-    def _generate_and_score_completions(self, inputs):
+    def generate_and_score(self, inputs):
         self._rows = inputs  # agent_loop.trainer_rollouts reads the task of each row from here
-        with self.routing_replay.generation():  # nothing replays during generation (routing-replay.md D7)
+        with self.routing_replay.generation(), cpu_fast_paths():  # nothing replays in generation (routing-replay D7)
             try:
-                out = super()._generate_and_score_completions(inputs)
+                out = super().generate_and_score(inputs)
             finally:
                 self._batch_env_mask = None  # set by the rollout function, for the passes inside TRL's method only
             self.routing_replay.add_routes(out)  # out["routing"] (B, S, L, k), batch-first (routing-replay.md D4)
@@ -763,18 +721,18 @@ class AgentGRPOTrainer(GRPOTrainer):
         if self.task_scheduler is not None and state.get("scheduler"):
             self.task_scheduler.load_state_dict(state["scheduler"])
 
-    def _save_checkpoint(self, model, trial):
+    def save_checkpoint(self, model, trial):
         """Write agent_state.json first: the trainer writes trainer_state.json last, and a checkpoint without it is
         incomplete, so a complete checkpoint always has both."""
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        folder = self.checkpoint_folder(trial)
         if self.args.should_save:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, MONITOR_STATE), "w") as f:
                 json.dump(self.monitor_state(), f)
-        super()._save_checkpoint(model, trial)
+        super().save_checkpoint(model, trial)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+    def load_checkpoint(self, resume_from_checkpoint, model=None):
+        super().load_checkpoint(resume_from_checkpoint, model)
         path = os.path.join(resume_from_checkpoint, MONITOR_STATE)
         if os.path.isfile(path):  # absent in checkpoints written before it existed: the monitors start afresh
             with open(path) as f:
@@ -791,7 +749,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         return agent_loop.to_trl(rollouts)
 
     def _first_micro_step(self) -> bool:
-        return self._step % self.current_gradient_accumulation_steps == 0
+        return self.micro_step % self.current_gradient_accumulation_steps == 0
 
     # ----------------------------------------------------------------------------------------------------------------
     def _rollout_batch(self, inputs: list[dict], out: dict) -> RolloutBatch:
@@ -873,7 +831,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         for name, value in stats.items():
             self.log_metric(name, value)
         if self.collapse_alarm is not None and self.model.training and self.accelerator.is_main_process:
-            zero_std = self._metrics["train"].get("frac_reward_zero_std", [None])[-1]  # TRL's, of this batch
+            zero_std = self.logged_metrics("train").get("frac_reward_zero_std", [None])[-1]  # TRL's, this batch
             watched = (stats["env/tokens_per_turn"], stats["env/truncated"], stats["env/success"], zero_std)
             for alarm in self.collapse_alarm.update(*watched):
                 logger.warning("%s", alarm.message)
@@ -941,7 +899,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             return
         saved = "nothing was trained yet, so no checkpoint was saved"
         if self.state.global_step > 0:
-            self._save_checkpoint(self.model, trial=None)
+            self.save_checkpoint(self.model, trial=None)
             saved = f"saved checkpoint-{self.state.global_step} in {self.args.output_dir}"
         shown = ", ".join(f"{x:.0%}" for x in streak)
         raise NoRewardSignal(

@@ -41,6 +41,13 @@ from torch import Tensor
 from trainers.agent_loop import left_padded, render_prompt_ids
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
 from trainers.teacher import POSITIONS, initial_context, plain_logps, teacher_logps, with_privileged_block
+from trainers.trl_api import (
+    add_fused_lm_head,
+    attn_implementation,
+    create_model_from_path,
+    disable_dropout_in_model,
+    get_config_model_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -246,16 +253,9 @@ class BetaOPSDTrainer(AgentGRPOTrainer):
     def _load_initial(self, unwrapped):
         """The initial weights, loaded again from the policy's path as TRL loads its reference model (a deep copy
         fails under ZeRO-3), with TRL's fused log-prob head, frozen and prepared for evaluation."""
-        from trl.trainer.utils import (
-            add_fused_lm_head,
-            create_model_from_path,
-            disable_dropout_in_model,
-            get_config_model_id,
-        )
-
         kwargs = dict(self.args.model_init_kwargs or {})
         kwargs.setdefault("dtype", unwrapped.dtype)
-        kwargs.setdefault("attn_implementation", unwrapped.config._attn_implementation)
+        kwargs.setdefault("attn_implementation", attn_implementation(unwrapped.config))
         model = create_model_from_path(get_config_model_id(unwrapped.config), **kwargs)
         if self.args.disable_dropout:
             disable_dropout_in_model(model)

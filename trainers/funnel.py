@@ -35,6 +35,7 @@ from torch import Tensor
 from trainers.agent_loop import left_padded, render_prompt_ids
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
 from trainers.teacher import POSITIONS, with_privileged_block
+from trainers.trl_api import chunked_divergence, use_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -339,8 +340,6 @@ class FunnelTrainer(AgentGRPOTrainer):
         """(module to call, context) for a teacher forward."""
         unwrapped = self.accelerator.unwrap_model(self.model)
         if hasattr(unwrapped, "peft_config"):
-            from trl.trainer.utils import use_adapter
-
             return unwrapped, use_adapter(unwrapped, adapter_name=self.TEACHER_ADAPTER)
         return self.teacher_model, nullcontext()
 
@@ -365,13 +364,7 @@ class FunnelTrainer(AgentGRPOTrainer):
     def _divergence(self, hidden_s: Tensor, head_s, hidden_t: Tensor, head_t, beta: float) -> Tensor:
         """Per-token divergence (N,) between the two models' next-token distributions at temperature τ, through TRL's
         chunked kernel (no (N, V) logits); β = 1 is the reverse KL(student ‖ teacher), 0.5 the JSD."""
-        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
-
-        out, _ = ChunkedDivergenceFunction.apply(
-            hidden_s, head_s.weight, head_s.bias, hidden_t, head_t.weight, head_t.bias, beta,
-            self.args.distill_temperature,
-        )  # fmt: skip
-        return out
+        return chunked_divergence(hidden_s, head_s, hidden_t, head_t, beta, self.args.distill_temperature)
 
     def _teacher_prompts(self, rows: list[dict], blocks: list[str]) -> list[list[int]]:
         tok = getattr(self.processing_class, "tokenizer", self.processing_class)

@@ -68,7 +68,6 @@ import torch
 from peft import PeftModel
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
-from trl.trainer import disable_dropout_in_model
 
 from rewards.verifiers import tito_mismatch_count
 from trainers.advantages import (
@@ -88,6 +87,7 @@ from trainers.losses import (
     clipped_value_loss,
     dapo_token_count,
 )
+from trainers.trl_api import disable_dropout_in_model, name_or_path
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class AgentPPOTrainer(AgentGRPOTrainer):
             base.value_head = self.critic  # a submodule of the policy: optimizer and DDP pick it up
             base.base_model.register_forward_hook(self._value_hook)
         else:
-            path = base.config._name_or_path if args.critic_model_name_or_path == "policy" else None
+            path = name_or_path(base.config) if args.critic_model_name_or_path == "policy" else None
             lm = AutoModelForCausalLM.from_pretrained(path or args.critic_model_name_or_path, dtype=base.dtype)
             if args.critic_num_layers is not None:
                 keep_first_layers(lm.base_model, args.critic_num_layers)
@@ -322,7 +322,7 @@ class AgentPPOTrainer(AgentGRPOTrainer):
             self._capture = None
         return logps, entropies, aux, values
 
-    def _generate_and_score_completions(self, inputs):
+    def generate_and_score(self, inputs):
         """The base's, with a value head's values read off TRL's old-log-prob pass when TRL runs one (minibatches
         after the first are off-policy): the backbone forward that gives the old log-probs feeds the head too, so
         `old_values` needs no pass of its own (ppo.md D7). Not under MoE routing replay, where that pass replays the
@@ -330,16 +330,16 @@ class AgentPPOTrainer(AgentGRPOTrainer):
         share = not isinstance(self.critic, Critic) and not self.routing_replay.active
         self._old_pass_values = [] if share else None
         try:
-            return super()._generate_and_score_completions(inputs)
+            return super().generate_and_score(inputs)
         finally:
             self._old_pass_values = None
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
+    def token_logps(self, model, input_ids, *args, **kwargs):
         if self._old_pass_values is None or torch.is_grad_enabled() or self._capture is not None:
-            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+            return super().token_logps(model, input_ids, *args, **kwargs)
         self._capture = []  # the value hook fills it, one entry per chunk of the pass
         try:
-            out = super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+            out = super().token_logps(model, input_ids, *args, **kwargs)
             self._old_pass_values.extend(self._capture)
         finally:
             self._capture = None

@@ -53,7 +53,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -64,11 +64,37 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, 
 from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-if TYPE_CHECKING:
-    from trainers.agent_loop import Rollout
-    from trainers.base import AgentGRPOTrainer
-
 logger = logging.getLogger(__name__)
+
+
+class ReplayHost(Protocol):
+    """What `RoutingReplay` reads of the trainer that owns it (`trainers.base.AgentGRPOTrainer`). A protocol, so that
+    this module imports neither the trainer nor the agent loop: both import it."""
+
+    accelerator: Any
+    model: nn.Module
+    args: Any
+    state: Any
+    use_vllm: bool
+    env_factory: Callable | None
+    tools: list | None
+
+    def log_metric(self, name: str, value: float) -> None: ...
+
+    def loss_mask(self, inputs: dict) -> Tensor: ...
+
+    def forward_logps(self, model, inputs: dict, compute_entropy: bool = False, scored: Tensor | None = None): ...
+
+
+class RouteRecord(Protocol):
+    """What `RoutingReplay` reads of one of the agent loop's rollouts (`trainers.agent_loop.Rollout`)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    routes: Tensor | None
+    route_mismatch: int
+    route_compared: int
+
 
 ROUTE_DTYPE = torch.int16  # routing-replay.md §5: record dtype int16 (E <= 32767 plus the sentinel)
 NO_ROUTE = -1  # routing-replay.md §3: "no record" (padding, and each row's final position)
@@ -557,10 +583,10 @@ class RoutingReplay:
     methods are called only by the trainer, which hands them in (`forward`).
 
     Args:
-        trainer (`AgentGRPOTrainer`): the trainer that owns this state.
+        trainer (`ReplayHost`): the trainer that owns this state, an `AgentGRPOTrainer`.
     """
 
-    def __init__(self, trainer: "AgentGRPOTrainer") -> None:
+    def __init__(self, trainer: ReplayHost) -> None:
         self.trainer = trainer
         self.active = False  # True once setup found a supported MoE policy with replay on
         self.moe = False  # the policy has MoE routers (supported or not): Eq. 10 is logged with and without replay
@@ -598,7 +624,7 @@ class RoutingReplay:
         self.active = True
         return True
 
-    def take_rollouts(self, rollouts: "list[Rollout]") -> None:
+    def take_rollouts(self, rollouts: list[RouteRecord]) -> None:
         """Keep the agent loop's per-row records on the trainer, where the old-log-prob pass that TRL runs before
         merging rollout fields into the rows finds them (D7); log Eq. 11."""
         if not self.active:

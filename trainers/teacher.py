@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from trainers.agent_loop import left_padded, render_prompt_ids
+from trainers.trl_api import use_adapter
 
 SOURCES = ("policy", "reference", "initial")
 POSITIONS = ("system_end", "first_user_after_task", "first_user_before_task")
@@ -79,8 +80,6 @@ def initial_context(trainer, model):
     disabled, else the frozen copy a trainer loaded as `initial_model`."""
     unwrapped = trainer.accelerator.unwrap_model(model)
     if hasattr(unwrapped, "peft_config"):
-        from trl.trainer.utils import use_adapter
-
         return model, use_adapter(unwrapped, adapter_name=None)
     initial = getattr(trainer, "initial_model", None)
     if initial is None:
@@ -97,8 +96,6 @@ def reference_context(trainer, model):
         return trainer.ref_model, nullcontext()
     unwrapped = trainer.accelerator.unwrap_model(model)
     if hasattr(unwrapped, "peft_config"):
-        from trl.trainer.utils import use_adapter
-
         return model, use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
     raise ValueError(
         "teacher source 'reference' needs a reference model: set beta > 0 (TRL then keeps one) or train a PEFT "
@@ -179,7 +176,7 @@ def teacher_logps(
                 prompt_ids, prompt_mask = left_padded(prompts, pad_id, device)
                 input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # Eq. 2: the rollout's own ids
                 attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-                logps, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, T, size)
+                logps, _, _ = trainer.token_logps(model, input_ids, attention_mask, T, size)
                 target[picked] = logps.float() * completion_mask.float()  # Eq. 3
     finally:
         model.train(was_training)
@@ -209,7 +206,7 @@ def plain_logps(trainer, batch, source: str = "policy", batch_size: int | None =
     try:
         with context, trainer.free_routing():
             size = batch_size or trainer.args.per_device_train_batch_size
-            logps, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, T, size)
+            logps, _, _ = trainer.token_logps(model, input_ids, attention_mask, T, size)
     finally:
         model.train(was_training)
     return logps.float() * batch.completion_mask.float()

@@ -507,9 +507,9 @@ class XTreeTrainer(AgentGRPOTrainer):
              sum(self.tree.depth(s) for s, _, _ in tiling) / len(tiling) if tiling else 0.0)
         )  # fmt: skip
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+    def calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self._tiling_stats = []
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        rewards = super().calculate_rewards(inputs, prompts, completions, completion_ids_list)
         if self.args.xtree_use != "bonus":
             return rewards
         a = self.args
