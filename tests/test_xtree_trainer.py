@@ -251,6 +251,7 @@ def test_cards_command_writes_a_dataset_beta_opsd_reads(tmp_path):
 SCRIPT = Path(__file__).with_name("distributed_xtree_run.py")
 
 
+@pytest.mark.distributed
 def test_two_processes_shape_the_same_rewards(tiny_model_folder, tmp_path):
     """Property 19, last part: with two processes (torchrun, gloo) each computes its rollouts' raw bonus, TRL gathers
     the columns, and both processes hand the same shaped tensor to TRL, equal to Eq. 10 of the gathered raw columns
