@@ -279,8 +279,10 @@ def play(train, case: Case, tmp: Path, timeout: int = 60) -> tuple[str, str]:
         path = tmp / "run.yaml"
         path.write_text(fill(merged(case.base, case.yaml)))
         argv = ["--config", str(path), *argv]
-    patches = [(train, "tiny_model"), (train, "tiny_dataset_model"), (train, "AutoModelForCausalLM")]
-    patches += [(train, "AutoTokenizer")]
+    # the tiny builds, patched where resolve_model looks them up: agent_trl.run_info (train, in an older checkout)
+    builds = [m for m in (train, sys.modules.get("agent_trl.run_info")) if m is not None]
+    patches = [(m, n) for m in builds for n in ("tiny_model", "tiny_dataset_model")]
+    patches += [(train, "AutoModelForCausalLM"), (train, "AutoTokenizer")]
     saved = {(m, n): getattr(m, n) for m, n in patches if hasattr(m, n)}
     stub = type("Stub", (), {"from_pretrained": staticmethod(_sentinel)})
     for (module, name), value in saved.items():

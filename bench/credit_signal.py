@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from transformers import AutoTokenizer  # noqa: E402
 
 import train  # noqa: E402
+from agent_trl.run_info import resolve_model  # noqa: E402
+from agent_trl.sources import load_sources  # noqa: E402
 from bench.record import RESULTS, write_result  # noqa: E402
 from envs.base import row_task  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
@@ -50,8 +52,8 @@ def build(method: str, env: str, seed: int, workdir: str):
     argv = ["--config", str(ROOT / "configs" / f"{method}_{env}.yaml"), "--seed", str(seed)]
     argv += ["--output_dir", os.path.join(workdir, f"{method}_{env}"), "--report_to", "none"]
     run, config, model_args, trainer_cls = train.parse(argv)
-    sources = train.load_sources(run, config)
-    folder = train.resolve_model(model_args.model_name_or_path, run, sources)
+    sources = load_sources(run, config)
+    folder = resolve_model(model_args.model_name_or_path, run, sources)
     trainer = trainer_cls(
         model=folder,
         args=config,

@@ -59,11 +59,11 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from agent_trl.sources import env_rows  # noqa: E402
 from bench.record import RESULTS, write_result  # noqa: E402
 from envs import ENVIRONMENTS  # noqa: E402
 from envs.sources import load_environment  # noqa: E402
 from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, demonstrations, is_tiny, tiny_model  # noqa: E402
-from train import env_rows  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 
 METHODS = ("grpo", "ppo", "mpo", "gigpo", "taspo", "alignopsd", "beta_opsd", "funnel", "xtree")

@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
+from agent_trl.sources import env_rows  # noqa: E402
 from bench.record import RESULTS, write_result  # noqa: E402
 from envs.sources import load_environment  # noqa: E402
 from envs.tiny import is_tiny, tiny_model  # noqa: E402
-from train import env_rows  # noqa: E402
 from trainers import TRAINERS, agent_loop  # noqa: E402
 
 PARTS = ["generation", "environment", "agent loop, other", "no-grad forwards", "rewards", "advantages",

@@ -102,7 +102,7 @@ def main(folder: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    from train import close_process_group
+    from agent_trl.resume import close_process_group
 
     main(sys.argv[1], sys.argv[2])
     close_process_group()

@@ -11,6 +11,7 @@ from conftest import CPU_ARGS
 from test_audit import KEY_ENV, planted_tasks, scripted_auditor
 
 import train
+from envs.base import row_task
 from rewards.audit import main as audit_main
 from tests.judge_server import JudgeServer
 
@@ -52,7 +53,7 @@ def trained_tasks(monkeypatch) -> dict:
 
     def spy(run, config):
         sources = original(run, config)
-        seen["tasks"] = [train.row_task(r) for r in sources.train]
+        seen["tasks"] = [row_task(r) for r in sources.train]
         return sources
 
     monkeypatch.setattr(train, "load_sources", spy)

@@ -128,7 +128,7 @@ def main(folder: str, out: str, workdir: str, critic: str | None = None) -> None
 
 
 if __name__ == "__main__":
-    from train import close_process_group
+    from agent_trl.resume import close_process_group
 
     main(*sys.argv[1:5])
     close_process_group()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ("nbclient", "nbformat", "ipykernel", "pytest", "ruff")  # the notebooks and the tests; not the library
+PACKAGES = ("agent_trl", "envs", "rewards", "trainers")  # the top-level folders the wheel is built from
 
 
 def pins() -> list[str]:
@@ -37,14 +38,14 @@ def test_wheel_holds_every_module(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "train.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for package in ("envs", "rewards", "trainers"):
+    for package in PACKAGES:
         shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."]
     subprocess.run(cmd, cwd=src, check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("agent_trl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {"train.py"} | {
-        str(p.relative_to(ROOT)) for d in ("envs", "rewards", "trainers") for p in (ROOT / d).rglob("*.py")
+        str(p.relative_to(ROOT)) for d in PACKAGES for p in (ROOT / d).rglob("*.py")
     }
     assert expected <= names, sorted(expected - names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import train
+from agent_trl import resume, run_info
 
 BASE = ["--trainer", "grpo", "--environment", "shop", "--model_name_or_path", "tiny:shop"]
 BASE += ["--tiny_sft_steps", "1", "--tiny_num_demos", "32", "--num_train_tasks", "16", "--skip_eval", "true"]
@@ -55,7 +56,7 @@ def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, monkeypatc
     # the run "was killed" after its step-2 checkpoint, and again while writing a later one (no trainer_state.json)
     shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
     (resumed / "checkpoint-3").mkdir()
-    with caplog.at_level("WARNING", logger="train"):
+    with caplog.at_level("WARNING", logger="agent_trl.resume"):
         train.main([*BASE, *SAVE, *method, "--output_dir", str(resumed), "--resume_from_checkpoint", "true"])
     assert any("checkpoint-3" in r.getMessage() and "incomplete" in r.getMessage() for r in caplog.records)
     before, after = steps_of(whole), steps_of(resumed)
@@ -83,13 +84,13 @@ def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, monkeypatc
     ],
 )
 def test_bad_resume_settings_stop_before_any_model_is_built(tmp_path, monkeypatch, extra, needle):
-    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before checking resume"))
+    monkeypatch.setattr(run_info, "tiny_model", lambda *a, **k: pytest.fail("built a model before checking resume"))
     with pytest.raises(SystemExit, match=needle):
         train.main([*BASE, "--output_dir", str(tmp_path / "run"), *extra])
 
 
 def test_a_folder_without_trainer_state_is_not_a_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before checking resume"))
+    monkeypatch.setattr(run_info, "tiny_model", lambda *a, **k: pytest.fail("built a model before checking resume"))
     (tmp_path / "half").mkdir()
     with pytest.raises(SystemExit, match="is not a complete checkpoint"):
         train.main([*BASE, "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", str(tmp_path / "half")])
@@ -105,14 +106,14 @@ def test_sigterm_stops_at_a_batch_boundary_with_a_checkpoint(tmp_path, monkeypat
     steps per batch), with a complete checkpoint there, a summary that says so and no held-out evaluation after; the
     run's signal handlers are put back afterwards."""
     monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
-    step_end = train.StopOnSignal.on_step_end
+    step_end = resume.StopOnSignal.on_step_end
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # the real signal, through the handler main installed
         return step_end(self, args, state, control, **kwargs)
 
-    monkeypatch.setattr(train.StopOnSignal, "on_step_end", on_step_end)
+    monkeypatch.setattr(resume.StopOnSignal, "on_step_end", on_step_end)
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "run"
     summary = train.main([*BASE, *method, "--output_dir", str(out), "--skip_eval", "false", "--num_eval_tasks", "2"])

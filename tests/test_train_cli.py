@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 import train
+from agent_trl import run_info
 
 GOOD = "trainer: grpo\nenvironment: shop\nmodel_name_or_path: tiny:shop\noutput_dir: {out}\nuse_cpu: true\n"
 
@@ -58,7 +59,9 @@ def test_semantic_errors_are_named(tmp_path, extra, base, needle):
 
 
 def test_bad_difficulty_fails_before_any_model_is_built(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before validating the tasks"))
+    monkeypatch.setattr(
+        run_info, "tiny_model", lambda *a, **k: pytest.fail("built a model before validating the tasks")
+    )
     with pytest.raises(SystemExit, match="difficulty"):
         train.main(config(tmp_path, "difficulty: 9\n"))
 
@@ -89,14 +92,16 @@ def test_every_shipped_config_parses(path):
     ],
 )
 def test_bad_run_fields_stop_before_any_model_is_built(tmp_path, monkeypatch, extra, needle):
-    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before validating the run"))
+    monkeypatch.setattr(run_info, "tiny_model", lambda *a, **k: pytest.fail("built a model before validating the run"))
     base = GOOD.replace("model_name_or_path: tiny:shop\n", "") if "model_name_or_path" in extra else GOOD
     with pytest.raises(SystemExit, match=needle):
         train.main(config(tmp_path, extra, base))
 
 
 def test_unwritable_output_dir_stops_before_training(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "tiny_model", lambda *a, **k: pytest.fail("built a model before checking output_dir"))
+    monkeypatch.setattr(
+        run_info, "tiny_model", lambda *a, **k: pytest.fail("built a model before checking output_dir")
+    )
     blocker = tmp_path / "file"
     blocker.write_text("a file, not a folder")
     with pytest.raises(SystemExit, match="output_dir .* cannot be written"):

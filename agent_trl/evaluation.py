@@ -1,0 +1,37 @@
+"""The held-out evaluation a run reports before and after training: sampled and greedy, on the environment's eval
+tasks (success, pass^k) or, single-turn, on the dataset's held-out prompts (reward)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from agent_trl.arguments import RunArguments
+from agent_trl.sources import Sources
+from trainers.agent_loop import LoopSettings, evaluate, evaluate_prompts
+
+
+def held_out(model, tokenizer, sources: Sources, run: RunArguments, config) -> dict:
+    """`{"sampled": ..., "greedy": ...}`: the held-out rows played with the config's sampling settings (eval_samples
+    episodes per task with an environment) and greedily; the dictionaries `evaluate` / `evaluate_prompts` return."""
+    if sources.environment is None:
+        kw = dict(
+            max_new_tokens=config.max_completion_length,
+            batch_size=run.eval_batch_size,
+            reward_weights=config.reward_weights,
+        )
+        tasks = sources.eval_rows
+        sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or 0)
+        return {
+            "sampled": evaluate_prompts(model, tokenizer, tasks, sources.reward_funcs, **sampling, **kw),
+            "greedy": evaluate_prompts(model, tokenizer, tasks, sources.reward_funcs, greedy=True, **kw),
+        }
+    settings = LoopSettings(config.max_turn_tokens, config.max_completion_length, config.max_turns)
+    factory = partial(sources.environment.factory, {})
+    kw = dict(settings=settings, batch_size=run.eval_batch_size)
+    tasks = sources.eval_rows
+    return {
+        "sampled": evaluate(
+            model, tokenizer, factory, tasks, temperature=config.temperature, samples=run.eval_samples, **kw
+        ),
+        "greedy": evaluate(model, tokenizer, factory, tasks, greedy=True, **kw),
+    }
