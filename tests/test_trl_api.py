@@ -258,6 +258,29 @@ def test_a_trainer_switches_only_while_it_trains(tiny_model_folder, tmp_path, mo
     assert switches() == own
 
 
+def test_held_out_evaluation_runs_with_the_switches(tiny_model_folder):
+    """Episodes played outside a trainer (the held-out evaluation) run with the same switches as training, and leave
+    them as they were."""
+    from conftest import EchoEnv
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainers.agent_loop import LoopSettings, evaluate
+
+    own, seen = switches(), []
+
+    class Watched(EchoEnv):
+        def reset(self, task):
+            seen.append(switches())
+            return super().reset(task)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_folder)
+    tasks = [{"words": ["apple"]}] * 2
+    evaluate(model, tokenizer, Watched, tasks, settings=LoopSettings(max_turn_tokens=2), progress=False)
+    assert len(seen) == 2 and all(s[1].__wrapped__ is own[1] for s in seen)
+    assert switches() == own
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The import graph
 

@@ -47,7 +47,13 @@ import torch
 from tqdm.auto import tqdm
 
 from envs.base import Env, row_task, state_key_of
-from trainers.trl_api import growing_cache, per_position_cache, unwrap_model_for_generation, weights_sharded
+from trainers.trl_api import (
+    cpu_fast_paths,
+    growing_cache,
+    per_position_cache,
+    unwrap_model_for_generation,
+    weights_sharded,
+)
 
 # A generation backend: (contexts, max_new_tokens) -> one (sampled ids, sampling log-probs) pair per context, or one
 # (sampled ids, sampling log-probs, routes) triple when it records MoE routes: routes (len(context) + len(ids) - 1,
@@ -663,6 +669,7 @@ def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
         return play(generate, trainer.processing_class, envs, tasks, prompts, settings, sync)
 
 
+@cpu_fast_paths()  # the trainer's CPU switches (docs/methods/grpo.md D12, D14), as in training
 def evaluate(
     model,
     tokenizer,
@@ -713,6 +720,7 @@ def prompt_ids_like_trl(tokenizer, prompts: list) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
 
 
+@cpu_fast_paths()  # the trainer's CPU switches (docs/methods/grpo.md D12, D14), as in training
 def evaluate_prompts(
     model,
     tokenizer,
