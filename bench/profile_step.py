@@ -15,7 +15,7 @@ inside it):
 - agent loop, other: the rest of an episode batch (tokenising observations, bookkeeping, padding);
 - no-grad forwards: TRL's log-prob forwards outside the loss (old or reference log-probs, a value head's values,
   teacher passes) and a separate critic's forwards without gradient (`critic_values`);
-- rewards: `_calculate_rewards`; advantages: `compute_advantages` (the method's own math);
+- rewards: `calculate_rewards`; advantages: `compute_advantages` (the method's own math);
 - loss forward: `policy_loss` (the actor's, and a critic's, forward and loss); backward: `accelerator.backward`;
 - optimizer: `optimizer.step` (clipping excluded);
 - other: `train_runtime` minus all of the above: TRL's batching and splitting, logging, gradient clipping, scheduler,
@@ -89,7 +89,7 @@ class Profiler:
 def instrument(trainer, prof: Profiler) -> None:
     """Wrap the trainer's pieces (instance attributes, so nothing leaks to other trainers) and the agent loop's."""
     inside_loss = {"on": False}
-    forward = trainer._get_per_token_logps_and_entropies
+    forward = trainer.token_logps
 
     def logps(*args, **kwargs):
         if inside_loss["on"]:
@@ -107,7 +107,7 @@ def instrument(trainer, prof: Profiler) -> None:
         finally:
             inside_loss["on"] = False
 
-    trainer._get_per_token_logps_and_entropies = logps
+    trainer.token_logps = logps
     if hasattr(trainer, "critic_values"):  # a separate critic's forward (PPO/MPO with critic_model_name_or_path)
         values = trainer.critic_values
 
@@ -119,7 +119,7 @@ def instrument(trainer, prof: Profiler) -> None:
 
         trainer.critic_values = critic_values
     trainer.policy_loss = loss
-    trainer._calculate_rewards = prof.wrap("rewards", trainer._calculate_rewards)
+    trainer.calculate_rewards = prof.wrap("rewards", trainer.calculate_rewards)
     trainer.compute_advantages = prof.wrap("advantages", trainer.compute_advantages)
     trainer.accelerator.backward = prof.wrap("backward", trainer.accelerator.backward)
 
