@@ -1,0 +1,104 @@
+"""`agent_trl.run_info`: which model a run loads (`resolve_model`, the tiny builds stubbed out) and the facts
+summary.json records about it: adapter settings, package versions, parameter counts."""
+
+import importlib.metadata
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+import trl
+from trl import ModelConfig
+
+from agent_trl import run_info
+from agent_trl.arguments import RunArguments
+from agent_trl.run_info import adapter_settings, count_parameters, resolve_model, versions
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list:
+    """The tiny builds resolve_model asks for, recorded as (function, args, kwargs); each returns a folder name."""
+    calls = []
+    for name in ("tiny_model", "tiny_dataset_model"):
+        monkeypatch.setattr(run_info, name, lambda *a, _n=name, **k: calls.append((_n, a, k)) or f"/built/{_n}")
+    return calls
+
+
+def sources(environment=None, train=(), environment_kwargs=None) -> SimpleNamespace:
+    return SimpleNamespace(environment=environment, train=list(train), environment_kwargs=environment_kwargs)
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen3-0.6B", "/models/mine", "tinyllama/TinyLlama-1.1B"])
+def test_other_names_are_loaded_as_given(builds, name):
+    assert resolve_model(name, RunArguments(), sources()) == name and builds == []
+
+
+def test_tiny_for_a_dataset_builds_on_its_rows(builds):
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    run = RunArguments(tiny_seed=3, tiny_sft_steps=5)  # tiny_num_demos unset: the build's default
+    assert resolve_model("tiny", run, sources(train=rows)) == "/built/tiny_dataset_model"
+    assert builds == [("tiny_dataset_model", (rows,), {"seed": 3, "sft_steps": 5})]
+
+
+def test_tiny_for_a_dataset_has_no_privileged_text(builds):
+    with pytest.raises(SystemExit, match="^error: tiny_privileged_frac needs an environment"):
+        resolve_model("tiny", RunArguments(tiny_privileged_frac=0.5), sources())
+    assert builds == []
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_a_tiny_name_without_its_environment_is_refused(builds, name):
+    """`tiny` with an environment, or `tiny-moe` alone: the message names the tiny:<env> forms."""
+    source = sources(environment=object()) if name == "tiny" else sources()
+    with pytest.raises(SystemExit, match=f"^error: model_name_or_path '{name}': `tiny` alone is the tiny default"):
+        resolve_model(name, RunArguments(), source)
+
+
+def test_tiny_for_an_environment_passes_the_set_sizes_only(builds):
+    run = RunArguments(environment="shop", difficulty=1, tiny_seed=2, tiny_num_demos=7, tiny_privileged_frac=0.25)
+    assert resolve_model("tiny-moe:shop", run, sources(environment=object())) == "/built/tiny_model"
+    expected = {"difficulty": 1, "seed": 2, "num_demos": 7, "privileged_frac": 0.25}  # no sft_steps, no env_kwargs
+    assert builds == [("tiny_model", ("tiny-moe:shop",), expected)]
+
+
+def test_an_ecosystem_environment_passes_its_settings_sorted(builds):
+    run = RunArguments(environment="reasoning_gym:aiw")
+    settings = {"size": 40, "seed": 1}
+    resolve_model("tiny:reasoning_gym:aiw", run, sources(environment=object(), environment_kwargs=settings))
+    assert builds[0][2]["env_kwargs"] == '{"seed": 1, "size": 40}'
+    builds.clear()  # a built-in environment's kwargs do not change its tasks' build: not passed
+    shop = sources(environment=object(), environment_kwargs={"a": 1})
+    resolve_model("tiny:shop", RunArguments(environment="shop"), shop)
+    assert "env_kwargs" not in builds[0][2]
+
+
+def test_adapter_settings_records_the_lora_and_quantization_fields():
+    args = ModelConfig(model_name_or_path="m", use_peft=True, lora_r=8, load_in_4bit=True)
+    assert adapter_settings(args) == {
+        "use_peft": True, "lora_r": 8, "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout,
+        "lora_target_modules": args.lora_target_modules, "load_in_4bit": True, "load_in_8bit": False,
+        "bnb_4bit_quant_type": args.bnb_4bit_quant_type, "use_bnb_nested_quant": args.use_bnb_nested_quant,
+    }  # fmt: skip
+    assert adapter_settings(SimpleNamespace(use_peft=False, other=1)) == {"use_peft": False}  # fields present only
+
+
+def test_versions_names_every_runtime_package(monkeypatch):
+    found = versions()
+    assert list(found) == ["torch", "trl", "transformers", "peft", "accelerate", "datasets", "bitsandbytes"]
+    assert found["trl"] == trl.__version__ and found["transformers"] == transformers.__version__
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "bitsandbytes":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert versions()["bitsandbytes"] is None
+
+
+def test_count_parameters():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))  # (3x2 + 2) + (2x1 + 1) = 11
+    assert count_parameters(model) == {"trainable": 11, "total": 11}
+    model[0].weight.requires_grad_(False)  # 6 frozen
+    assert count_parameters(model) == {"trainable": 5, "total": 11}
