@@ -56,7 +56,7 @@ def test_readme_library_example_runs(tmp_path, monkeypatch):
     """The README's Python example, executed as written except for sizes: a 1-step SFT build of the tiny default and
     one RL step instead of ten (the full build takes minutes)."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### As a library") :]
+    section = readme[readme.index("## As a library") :]
     code = section[section.index("```python\n") + len("```python\n") :]
     code = code[: code.index("```")]
     assert 'tiny_model("tiny:shop")' in code and "max_steps=10" in code
