@@ -34,14 +34,14 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
 import pydantic
 from tqdm.auto import tqdm
 
-from rewards.judge import Judge, JudgeConfig, check_endpoint
+from rewards.judge import APIModelFields, Judge, check_endpoint
 
 # key -> (weight w_d, critical minimum or None); t1.md §4.6 table and D17
 DIMENSIONS: dict[str, tuple[float, int | None]] = {
@@ -58,6 +58,21 @@ INSTRUCTION_DIMENSIONS = ("instruction_clarity", "instruction_completeness")
 HARD_FLAGS = ("hidden_requirements", "test_leakage", "solution_shortcut", "weak_verifier")
 FINAL_FLAGS = ("test_leakage", "solution_shortcut", "weak_verifier")  # D17: an instruction rewrite cannot fix these
 ACCEPT_AT, BORDERLINE_AT = 0.75, 0.60
+# the auditor's endpoint options `--model`, `--base_url`, ... (declared from `rewards.judge.API_MODEL_FIELDS`)
+AUDITOR = APIModelFields(
+    "",
+    ("model", "base_url", "api_key_env", "cache_path", "concurrency", "timeout", "max_retries"),
+    defaults={"model": MISSING, "base_url": MISSING, "concurrency": 16},
+    help={
+        "model": "auditor model id at the endpoint",
+        "base_url": "OpenAI-compatible base URL, e.g. http://host:8000/v1",
+        "api_key_env": "environment variable holding the API key",
+        "cache_path": "sqlite3 cache of auditor answers (optional)",
+        "concurrency": "most requests in flight",
+        "timeout": "seconds per request attempt",
+        "max_retries": "re-sends after a transport error",
+    },
+)
 CATEGORIES = (
     "scripting", "software_development", "system_administration", "environment_setup", "version_control",
     "data_processing", "file_operations", "networking", "security", "other",
@@ -409,13 +424,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rewards.audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", required=True, help="JSONL file, one task per line (task_id, instruction, ...)")
     parser.add_argument("--out", required=True, help="output folder (accepted.jsonl, rejected.jsonl, report.json)")
-    parser.add_argument("--base_url", required=True, help="OpenAI-compatible base URL, e.g. http://host:8000/v1")
-    parser.add_argument("--model", required=True, help="auditor model id at the endpoint")
-    parser.add_argument("--api_key_env", default="OPENAI_API_KEY", help="environment variable holding the API key")
-    parser.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per request attempt")
-    parser.add_argument("--max_retries", type=int, default=2, help="re-sends after a transport error")
-    parser.add_argument("--cache", default=None, help="sqlite3 cache of auditor answers (optional)")
+    AUDITOR.add_arguments(parser, flags={"cache_path": "--cache"})
     parser.add_argument("--limit", type=int, default=None, help="audit at most this many new tasks")
     parser.add_argument("--retry_failed", action="store_true", help="audit again the tasks rejected as audit_failed")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -445,16 +454,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if todo and (problem := check_endpoint(args.base_url, args.api_key_env, timeout=min(args.timeout, 30.0))):
         raise SystemExit(f"error: --base_url / --api_key_env: {problem}")
     judge = Judge(
-        JudgeConfig(
-            model=args.model,
-            base_url=args.base_url,
-            api_key_env=args.api_key_env,
-            max_concurrency=args.concurrency,
-            timeout=args.timeout,
-            max_retries=args.max_retries,
+        AUDITOR.judge_config(
+            args,
             temperature=0.0,  # t1.md §4.6: temperature 0
             max_repairs=2,  # "re-requested at most twice", then `audit_failed`
-            cache_path=args.cache,
         )
     )
     try:

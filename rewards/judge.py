@@ -30,6 +30,11 @@ in a worker thread (chat template, sampled at temperature 0.6 / top-p 0.95 by de
 policy it wraps changes every step (DRACO D9). `combine_votes` is the pure k-sample combining rule (DRACO Eq. 10 as
 amended by conventions.md C10).
 
+`API_MODEL_FIELDS` is the one definition of the endpoint settings that a config exposes as flat fields (TRL's parser
+and the YAML recipes need flat fields): DRACO's judge (`judge_*`), TASPO's analyzer (`analyzer_*`), the Funnel's editor
+(`editor_*`) and the task audit's options each declare their copy with an `APIModelFields` (prefix, settings, per-use
+defaults and help) and build their `JudgeConfig` with its `judge_config`.
+
 Deliberately left out: streaming, tool calls, `n > 1` sampling in one request (votes are separate requests with
 distinct cache keys), input-budget shortening (the rubric stages own their prompts), and per-phase bookkeeping (use
 one judge per phase and a metric prefix per judge).
@@ -51,6 +56,7 @@ Logged metrics (`metrics(prefix="judge/")`; DRACO can pass `prefix="draco/judge_
 from __future__ import annotations
 
 import abc
+import argparse
 import asyncio
 import email.utils
 import hashlib
@@ -65,7 +71,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -155,6 +161,106 @@ class JudgeConfig:
                 raise ValueError(f"JudgeConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not self.timeout > 0:
             raise ValueError(f"JudgeConfig.timeout must be > 0, got {self.timeout}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One API model's settings as flat, prefixed fields of a config (`judge_model`, `analyzer_timeout`, ...): TRL's parser
+# and the YAML recipes need flat fields, so each use declares its copy through an `APIModelFields`.
+
+# The settings a use may expose: its field name -> (the `JudgeConfig` field it sets, type, help text; `{role}` is the
+# use's prefix). The default is `JudgeConfig`'s own (None for `model`) unless the use says otherwise.
+API_MODEL_FIELDS: dict[str, tuple[str, type, str]] = {
+    "model": ("model", str, "Model id at the endpoint (`openai` only)."),
+    "base_url": ("base_url", str, "OpenAI-compatible base URL; None: OpenAI."),
+    "api_key_env": ("api_key_env", str, "Env variable holding the API key."),
+    "cache_path": ("cache_path", str, "sqlite3 cache of {role} answers."),
+    "concurrency": ("max_concurrency", int, "Most {role} calls in flight."),
+    "timeout": ("timeout", float, "Seconds per {role} call attempt."),
+    "max_retries": ("max_retries", int, "Transport re-sends after a failed request."),
+    "max_repairs": ("max_repairs", int, "Re-asks with the validation error after an invalid answer."),
+    "temperature": ("temperature", float, "Sampling temperature of the {role}."),
+    "max_tokens": ("max_tokens", int, "Max output tokens of the {role}."),
+    "price_input_per_mtok": ("price_input_per_mtok", float, "USD per million prompt tokens."),
+    "price_output_per_mtok": ("price_output_per_mtok", float, "USD per million completion tokens."),
+}
+
+
+@dataclass(frozen=True)
+class APIModelFields:
+    """One use's copy of `API_MODEL_FIELDS`: the settings `names` as `{prefix}_{name}` fields (`{name}` with an empty
+    prefix), with `defaults` and `help` where this use differs; a default of `dataclasses.MISSING` is required. The
+    endpoint is on when the config's `selector` field is `"openai"`.
+
+    >>> use = APIModelFields("critic", ("model", "timeout"), selector="critic_backend", defaults={"timeout": 60.0})
+    >>> use.field_names(), use.default("timeout"), use.help_text("timeout")
+    (['critic_model', 'critic_timeout'], 60.0, 'Seconds per critic call attempt.')
+    """
+
+    prefix: str
+    names: tuple[str, ...]
+    selector: str | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+    help: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for given in (self.names, self.defaults, self.help):
+            if unknown := [n for n in given if n not in API_MODEL_FIELDS or n not in self.names]:
+                raise ValueError(f"{self.prefix!r}: {unknown} are not fields of this use (see API_MODEL_FIELDS)")
+
+    def flat(self, name: str) -> str:
+        return f"{self.prefix}_{name}" if self.prefix else name
+
+    def field_names(self) -> list[str]:
+        return [self.flat(n) for n in self.names]
+
+    def default(self, name: str) -> Any:
+        if name in self.defaults:
+            return self.defaults[name]
+        own = {f.name: f.default for f in fields(JudgeConfig)}[API_MODEL_FIELDS[name][0]]
+        return None if own is MISSING else own  # `model`: no id until the use names one
+
+    def help_text(self, name: str) -> str:
+        return self.help.get(name, API_MODEL_FIELDS[name][2].format(role=self.prefix))
+
+    def add_fields(self, cls: type) -> type:
+        """Class decorator under `@dataclass`: declares this use's fields in `cls`, right after `selector` (else
+        last). A field also declared by hand is an error, so no copy can drift from this one."""
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        if clash := [n for n in self.field_names() if n in own]:
+            raise TypeError(f"{cls.__name__} declares {clash} by hand; {self.prefix}'s APIModelFields declares them")
+        new = {}
+        for name in self.names:
+            kind, default = API_MODEL_FIELDS[name][1], self.default(name)
+            new[self.flat(name)] = kind | None if default is None else kind
+            setattr(cls, self.flat(name), field(default=default, metadata={"help": self.help_text(name)}))
+        keys = list(own)
+        at = keys.index(self.selector) + 1 if self.selector in own else len(keys)
+        cls.__annotations__ = {k: own[k] for k in keys[:at]} | new | {k: own[k] for k in keys[at:]}
+        return cls
+
+    def add_arguments(self, parser: argparse.ArgumentParser, flags: Mapping[str, str] | None = None) -> None:
+        """The same fields as `argparse` options (`--{prefix}_{name}`, or the flag `flags` names)."""
+        for name in self.names:
+            default = self.default(name)
+            parser.add_argument(
+                (flags or {}).get(name, f"--{self.flat(name)}"),
+                dest=self.flat(name),
+                type=API_MODEL_FIELDS[name][1],
+                default=None if default is MISSING else default,
+                required=default is MISSING,
+                help=self.help_text(name),
+            )
+
+    def check(self, config: Any) -> None:
+        """The rule every use shares: an endpoint that is on needs a model id."""
+        if self.selector and getattr(config, self.selector) == "openai" and not getattr(config, self.flat("model")):
+            raise ValueError(f"{self.flat('model')} is required when {self.selector} is 'openai'")
+
+    def judge_config(self, config: Any, **settings: Any) -> JudgeConfig:
+        """The `JudgeConfig` of this use's fields of `config` (a config or an argparse namespace); `settings` are
+        `JudgeConfig` fields the use fixes or derives rather than exposes (e.g. the audit's temperature 0)."""
+        values = {API_MODEL_FIELDS[n][0]: getattr(config, self.flat(n)) for n in self.names}
+        return JudgeConfig(**(values | settings))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -986,9 +1092,11 @@ class LocalModelJudge(BaseJudge):
 
 
 __all__ = [
+    "API_MODEL_FIELDS",
     "FAIL",
     "NOT_APPLICABLE",
     "PASS",
+    "APIModelFields",
     "BaseJudge",
     "Judge",
     "JudgeCache",

@@ -13,14 +13,20 @@ import logging
 import math
 import threading
 import time
+import typing
+from dataclasses import MISSING, dataclass, fields
+from types import SimpleNamespace
 
 import pydantic
 import pytest
 
+from rewards import audit
 from rewards.judge import (
+    API_MODEL_FIELDS,
     FAIL,
     NOT_APPLICABLE,
     PASS,
+    APIModelFields,
     Judge,
     JudgeConfig,
     LocalModelJudge,
@@ -30,7 +36,12 @@ from rewards.judge import (
     parse_retry_after,
     strip_reasoning,
 )
+from tests.conftest import CPU_ARGS
 from tests.judge_server import JudgeServer, Reply, error, hang, ok, truncated
+from trainers.draco import JUDGE, DRACOConfig, build_judge
+from trainers.funnel import EDITOR, FunnelConfig
+from trainers.funnel_loop import FunnelLoop
+from trainers.taspo import ANALYZER, TASPOConfig
 
 SECRET = "sk-test-7f3a9c0d5e1b-never-log-me"
 KEY_ENV = "AGENT_TRL_TEST_JUDGE_KEY"
@@ -148,6 +159,177 @@ def test_config_validation_names_the_field():
         JudgeConfig(model="m", vote_rule="any")
     with pytest.raises(ValueError, match="max_concurrency"):
         JudgeConfig(model="m", max_concurrency=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layer 1: one API model's settings as flat config fields (APIModelFields), in each of its four uses
+
+# The endpoint fields as each config declared them by hand before `APIModelFields`: (name, type, default, help).
+HAND_WRITTEN = {
+    DRACOConfig: [
+        ("judge_model", str | None, None, "Model id at the endpoint (`openai` only)."),
+        ("judge_base_url", str | None, None, "OpenAI-compatible base URL; None: OpenAI."),
+        ("judge_api_key_env", str, "OPENAI_API_KEY", "Env variable holding the API key."),
+        ("judge_cache_path", str | None, None, "sqlite3 cache of judge answers."),
+        ("judge_concurrency", int, 32, "Most judge calls in flight (§4.6: 32)."),
+        ("judge_timeout", float, 180.0, "Seconds per judge call attempt (§4.6: 180)."),
+        ("judge_max_retries", int, 2, "Transport re-sends per call: 3 attempts (§4.6)."),
+        ("judge_temperature", float | None, None,
+         "Judge temperature; None: 0.1 for an API judge (§4.2), 0.6 for self (D12)."),
+        ("judge_max_tokens", int, 16384, "Judge max output tokens (§5: 16,384)."),
+        ("judge_price_input_per_mtok", float, 0.0, "USD per million prompt tokens."),
+        ("judge_price_output_per_mtok", float, 0.0, "USD per million completion tokens."),
+    ],
+    TASPOConfig: [
+        ("analyzer_model", str | None, None, "Model id at the endpoint (`openai` only)."),
+        ("analyzer_base_url", str | None, None, "OpenAI-compatible base URL; None: OpenAI."),
+        ("analyzer_api_key_env", str, "OPENAI_API_KEY", "Env variable holding the API key."),
+        ("analyzer_cache_path", str | None, None, "sqlite3 cache of analyzer answers."),
+        ("analyzer_concurrency", int, 32, "Most analyzer calls in flight (taspo.md §5)."),
+        ("analyzer_timeout", float, 180.0, "Seconds per analyzer call attempt (§5)."),
+        ("analyzer_max_retries", int, 2, "Transport re-sends: 2 gives 3 attempts (D11)."),
+        ("analyzer_max_repairs", int, 2,
+         "Re-asks with the validation error after an invalid answer: 3 attempts (D11)."),
+        ("analyzer_temperature", float, 0.0, "Analyzer temperature (taspo.md §5)."),
+        ("analyzer_max_tokens", int, 4096, "Analyzer max output tokens."),
+        ("analyzer_price_input_per_mtok", float, 0.0, "USD per million prompt tokens."),
+        ("analyzer_price_output_per_mtok", float, 0.0, "USD per million completion tokens."),
+    ],
+    FunnelConfig: [
+        ("editor_model", str | None, None, "Model id at the endpoint ('openai' editor)."),
+        ("editor_base_url", str | None, None, "OpenAI-compatible base URL; None: OpenAI."),
+        ("editor_api_key_env", str, "OPENAI_API_KEY", "Env variable holding the API key."),
+        ("editor_cache_path", str | None, None,
+         "sqlite3 cache of editor answers; None: <output_dir>/editor_cache.sqlite."),
+        ("editor_timeout", float, 120.0, "Seconds per editor request attempt."),
+        ("editor_max_retries", int, 2, "Transport re-sends after a failed request (§4.3)."),
+    ],
+}  # fmt: skip
+USES = [(DRACOConfig, JUDGE), (TASPOConfig, ANALYZER), (FunnelConfig, EDITOR)]
+AUDIT_ARGV = ["--tasks", "t.jsonl", "--out", "o", "--base_url", "http://h/v1", "--model", "m"]
+AUDIT_HELP = [  # the audit's help texts before `APIModelFields`
+    "--cache CACHE_PATH sqlite3 cache of auditor answers (optional)", "auditor model id at the endpoint",
+    "OpenAI-compatible base URL, e.g. http://host:8000/v1", "environment variable holding the API key",
+    "most requests in flight", "seconds per request attempt", "re-sends after a transport error",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("config_class", "use"), USES, ids=["judge", "analyzer", "editor"])
+def test_generated_fields_keep_the_hand_written_names_types_defaults_and_help(config_class, use):
+    declared = {f.name: f for f in fields(config_class)}
+    hints = typing.get_type_hints(config_class)
+    found = [(n, hints[n], declared[n].default, declared[n].metadata["help"]) for n in use.field_names()]
+    assert found == HAND_WRITTEN[config_class]
+    names = list(declared)  # the block sits right after its selector (`judge_backend`, `analyzer_backend`, `editor`)
+    at = names.index(use.selector) + 1
+    assert names[at : at + len(found)] == use.field_names()
+
+
+def test_audit_options_keep_their_flags_defaults_and_help(capsys):
+    args = audit.parse_args(AUDIT_ARGV)
+    assert (args.model, args.base_url, args.api_key_env, args.cache_path) == ("m", "http://h/v1", "OPENAI_API_KEY",
+                                                                              None)  # fmt: skip
+    assert (args.concurrency, args.timeout, args.max_retries) == (16, 180.0, 2)
+    extra = ["--cache", "c.sqlite", "--concurrency", "4", "--timeout", "9", "--max_retries", "0", "--api_key_env", "K"]
+    given = audit.parse_args(AUDIT_ARGV + extra)
+    assert (given.cache_path, given.concurrency, given.timeout, given.max_retries, given.api_key_env) == (
+        "c.sqlite", 4, 9.0, 0, "K")  # fmt: skip
+    for missing in ("--model", "--base_url"):  # both required, as before
+        at = AUDIT_ARGV.index(missing)
+        with pytest.raises(SystemExit):
+            audit.parse_args(AUDIT_ARGV[:at] + AUDIT_ARGV[at + 2 :])
+        assert f"required: {missing}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        audit.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help lines
+    for text in AUDIT_HELP:
+        assert text in shown
+    assert "--cache_path" not in shown  # the flag kept its old name
+
+
+def test_judge_config_maps_every_field_of_each_use():
+    """Each exposed field lands in its `JudgeConfig` field (`*_concurrency` in `max_concurrency`); the others keep
+    `JudgeConfig`'s defaults (the editor's `max_repairs` 1) unless the caller sets them (`seed`)."""
+    values = {"model": "m", "base_url": "http://h/v1", "api_key_env": "K", "cache_path": "c.sqlite", "concurrency": 3,
+              "timeout": 7.5, "max_retries": 4, "max_repairs": 5, "temperature": 0.7, "max_tokens": 99,
+              "price_input_per_mtok": 1.25, "price_output_per_mtok": 2.5}  # fmt: skip
+    target = {"concurrency": "max_concurrency"}
+    defaults = JudgeConfig(model="m")
+    for use in (JUDGE, ANALYZER, EDITOR, audit.AUDITOR):
+        built = use.judge_config(SimpleNamespace(**{use.flat(n): values[n] for n in use.names}), seed=11)
+        assert built.seed == 11
+        for name in API_MODEL_FIELDS:
+            field_name = target.get(name, name)
+            expected = values[name] if name in use.names else getattr(defaults, field_name)
+            assert getattr(built, field_name) == expected, (use.prefix, name)
+
+
+def test_the_judge_and_the_editor_get_the_settings_they_had(tmp_path):
+    """DRACO's API judge and the Funnel's editor, built from their configs: the fields plus what each use fixes
+    (DRACO: `votes`; the editor: repairs = retries, temperature 0, seed 0, 2,048 tokens, a cache in output_dir)."""
+    draco = DRACOConfig(output_dir=str(tmp_path), **CPU_ARGS, judge_backend="openai", judge_model="j",
+                        judge_concurrency=8, judge_price_output_per_mtok=2.0)  # fmt: skip
+    judged = {"model": "j", "base_url": None, "max_concurrency": 8, "timeout": 180.0, "max_retries": 2,
+              "max_repairs": 1, "temperature": 0.1, "max_tokens": 16384, "votes": 1, "cache_path": None,
+              "price_output_per_mtok": 2.0}  # fmt: skip
+    with build_judge(draco, []) as judge:
+        assert {k: getattr(judge.config, k) for k in judged} == judged
+    funnel = FunnelConfig(output_dir=str(tmp_path), **CPU_ARGS, editor="openai", editor_model="e",
+                          editor_max_retries=3, max_steps=1)  # fmt: skip
+    loop = SimpleNamespace(config=funnel, out=tmp_path, environment="a web shop")  # what `_make_editor` reads
+    edited = {
+        "model": "e",
+        "timeout": 120.0,
+        "max_retries": 3,
+        "max_repairs": 3,
+        "max_concurrency": 32,
+        "temperature": 0.0,
+        "seed": 0,
+        "max_tokens": 2048,
+        "cache_path": str(tmp_path / "editor_cache.sqlite"),
+    }
+    with FunnelLoop._make_editor(loop).judge as judge:
+        assert {k: getattr(judge.config, k) for k in edited} == edited
+
+
+@pytest.mark.parametrize(
+    ("config_class", "settings", "message"),
+    [
+        (DRACOConfig, {"judge_backend": "openai"}, "judge_model is required when judge_backend is 'openai'"),
+        (TASPOConfig, {"analyzer_backend": "openai"}, "analyzer_model is required when analyzer_backend is 'openai'"),
+        (FunnelConfig, {"editor": "openai", "max_steps": 1}, "editor_model is required when editor is 'openai'"),
+    ],
+)
+def test_an_endpoint_that_is_on_needs_a_model(tmp_path, config_class, settings, message):
+    with pytest.raises(ValueError, match=message):
+        config_class(output_dir=str(tmp_path), **CPU_ARGS, **settings)
+    model_field = message.split()[0]
+    assert getattr(config_class(output_dir=str(tmp_path), **CPU_ARGS, **settings, **{model_field: "m"}),
+                   model_field) == "m"  # fmt: skip
+
+
+def test_a_hand_written_copy_or_an_unknown_setting_is_refused():
+    use = APIModelFields("critic", ("model", "timeout"), selector="critic_backend", defaults={"timeout": 60.0})
+
+    class Copy:
+        __annotations__ = {"critic_backend": "str", "critic_timeout": "float"}
+
+    with pytest.raises(TypeError, match="critic_timeout"):
+        use.add_fields(Copy)
+
+    @dataclass
+    @use.add_fields
+    class Critic:
+        critic_backend: str = "oracle"
+        other: int = 1
+
+    assert [f.name for f in fields(Critic)] == ["critic_backend", "critic_model", "critic_timeout", "other"]
+    assert (Critic().critic_model, Critic().critic_timeout) == (None, 60.0)
+    assert APIModelFields("x", ("model",), defaults={"model": MISSING}).default("model") is MISSING
+    with pytest.raises(ValueError, match="max_tokenz"):
+        APIModelFields("critic", ("model", "max_tokenz"))
+    with pytest.raises(ValueError, match="timeout"):  # a default for a field the use does not have
+        APIModelFields("critic", ("model",), defaults={"timeout": 1.0})
 
 
 # ---------------------------------------------------------------------------------------------------------------------

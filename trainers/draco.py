@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rewards.judge import BaseJudge, Judge, JudgeConfig, LocalModelJudge
+from rewards.judge import APIModelFields, BaseJudge, Judge, LocalModelJudge
 from rewards.oracle import OracleJudge
 from rewards.rubrics import DracoReward, RubricPipeline
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
@@ -56,35 +56,39 @@ from trainers.credit import (
 BACKENDS = ("oracle", "openai", "self")
 STEP_QUALITIES = ("ratio", "strict")  # draco.md Eq. 4, D18
 LOSS_TYPES = ("grpo", "dapo", "bnpo")  # per-row mean, or one token mean (credit-interface.md §2.4)
+# the API judge's endpoint fields `judge_model`, `judge_base_url`, ... (declared from `rewards.judge.API_MODEL_FIELDS`)
+JUDGE = APIModelFields(
+    "judge",
+    ("model", "base_url", "api_key_env", "cache_path", "concurrency", "timeout", "max_retries", "temperature")
+    + ("max_tokens", "price_input_per_mtok", "price_output_per_mtok"),
+    selector="judge_backend",
+    defaults={"temperature": None},  # resolved per backend in __post_init__
+    help={
+        "concurrency": "Most judge calls in flight (§4.6: 32).",
+        "timeout": "Seconds per judge call attempt (§4.6: 180).",
+        "max_retries": "Transport re-sends per call: 3 attempts (§4.6).",
+        "temperature": "Judge temperature; None: 0.1 for an API judge (§4.2), 0.6 for self (D12).",
+        "max_tokens": "Judge max output tokens (§5: 16,384).",
+    },
+)
 
 
 @dataclass
+@JUDGE.add_fields
 class DRACOConfig(AgentGRPOConfig):
-    """AgentGRPOConfig plus DRACO's judge settings (`docs/methods/draco.md` §4.6, §5)."""
+    """AgentGRPOConfig plus DRACO's judge settings (`docs/methods/draco.md` §4.6, §5); the endpoint fields
+    (`judge_model`, ..., `judge_price_output_per_mtok`) are declared by `JUDGE`, after `judge_backend`."""
 
     judge_backend: str = field(
         default="oracle", metadata={"help": "Judge: `oracle` (ground truth, no LLM), `openai` (endpoint) or `self`."}
     )
-    judge_model: str | None = field(default=None, metadata={"help": "Model id at the endpoint (`openai` only)."})
-    judge_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible base URL; None: OpenAI."})
-    judge_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "Env variable holding the API key."})
-    judge_cache_path: str | None = field(default=None, metadata={"help": "sqlite3 cache of judge answers."})
-    judge_concurrency: int = field(default=32, metadata={"help": "Most judge calls in flight (§4.6: 32)."})
-    judge_timeout: float = field(default=180.0, metadata={"help": "Seconds per judge call attempt (§4.6: 180)."})
-    judge_max_retries: int = field(default=2, metadata={"help": "Transport re-sends per call: 3 attempts (§4.6)."})
     judge_stage_retries: int = field(
         default=2, metadata={"help": "Re-asks after a validation error (counts, titles, citations) per stage call."}
     )
     judge_step_deadline: float = field(default=1200.0, metadata={"help": "Seconds for all judge work of a step."})
-    judge_temperature: float | None = field(
-        default=None, metadata={"help": "Judge temperature; None: 0.1 for an API judge (§4.2), 0.6 for self (D12)."}
-    )
-    judge_max_tokens: int = field(default=16384, metadata={"help": "Judge max output tokens (§5: 16,384)."})
     judge_votes: int | None = field(
         default=None, metadata={"help": "Scoring samples k, unanimity (Eq. 10); None: 3 for self, else 1."}
     )
-    judge_price_input_per_mtok: float = field(default=0.0, metadata={"help": "USD per million prompt tokens."})
-    judge_price_output_per_mtok: float = field(default=0.0, metadata={"help": "USD per million completion tokens."})
     credit_observation_chars: int = field(default=1000, metadata={"help": "Observation cap in credit summaries (D4)."})
     protocol_notes: str = field(default="", metadata={"help": "Environment protocol notes shown to judges (§4.2)."})
     draco_credit: bool = field(
@@ -106,8 +110,7 @@ class DRACOConfig(AgentGRPOConfig):
             raise ValueError(f"draco_step_quality must be one of {STEP_QUALITIES}, got {self.draco_step_quality!r}")
         if self.judge_backend not in BACKENDS:
             raise ValueError(f"judge_backend must be one of {BACKENDS}, got {self.judge_backend!r}")
-        if self.judge_backend == "openai" and not self.judge_model:
-            raise ValueError("judge_model is required when judge_backend is 'openai'")
+        JUDGE.check(self)
         # derived at runtime: backend-dependent defaults (§4.2, §4.5, D12)
         if self.judge_votes is None:
             self.judge_votes = 3 if self.judge_backend == "self" else 1
@@ -244,22 +247,7 @@ def build_judge(args: DRACOConfig, datasets: list) -> BaseJudge:
             raise ValueError("judge_backend 'oracle' needs a train_dataset with a `task` column (built-in env tasks)")
         return OracleJudge(tasks)
     if args.judge_backend == "openai":
-        return Judge(
-            JudgeConfig(
-                model=args.judge_model,
-                base_url=args.judge_base_url,
-                api_key_env=args.judge_api_key_env,
-                max_concurrency=args.judge_concurrency,
-                timeout=args.judge_timeout,
-                max_retries=args.judge_max_retries,
-                temperature=args.judge_temperature,
-                max_tokens=args.judge_max_tokens,
-                cache_path=args.judge_cache_path,
-                price_input_per_mtok=args.judge_price_input_per_mtok,
-                price_output_per_mtok=args.judge_price_output_per_mtok,
-                votes=args.judge_votes,
-            )
-        )
+        return Judge(JUDGE.judge_config(args, votes=args.judge_votes))
     return LocalModelJudge(  # model and tokenizer are attached once the trainer has loaded them
         None,
         None,

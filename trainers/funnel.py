@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from rewards.judge import APIModelFields
 from trainers.agent_loop import left_padded, render_prompt_ids
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
 from trainers.teacher import POSITIONS, with_privileged_block
@@ -42,13 +43,28 @@ logger = logging.getLogger(__name__)
 TOKEN_WEIGHT_MODES = ("linear_norm", "none", "topk_frac")
 RESIDUAL_MODES = ("editor", "leave_one_out", "off")
 EDITORS = ("card", "openai")
+# the 'openai' editor's endpoint fields `editor_model`, ... (declared from `rewards.judge.API_MODEL_FIELDS`)
+EDITOR = APIModelFields(
+    "editor",
+    ("model", "base_url", "api_key_env", "cache_path", "timeout", "max_retries"),
+    selector="editor",
+    defaults={"timeout": 120.0},
+    help={
+        "model": "Model id at the endpoint ('openai' editor).",
+        "cache_path": "sqlite3 cache of editor answers; None: <output_dir>/editor_cache.sqlite.",
+        "timeout": "Seconds per editor request attempt.",
+        "max_retries": "Transport re-sends after a failed request (§4.3).",
+    },
+)
 
 
 @dataclass
+@EDITOR.add_fields
 class FunnelConfig(AgentGRPOConfig):
     """AgentGRPOConfig plus the Funnel's loop, gates, editor and consolidation (`docs/methods/funnel.md` §5).
     `max_steps` is the length of one consolidation (`consolidation_steps` of the paper's loop); a fresh optimizer and
-    schedule start at every consolidation (D15). Changed default: `loss_type="grpo"` (conventions.md C22)."""
+    schedule start at every consolidation (D15). Changed default: `loss_type="grpo"` (conventions.md C22). The
+    editor's endpoint fields (`editor_model`, ..., `editor_max_retries`) are declared by `EDITOR`, after `editor`."""
 
     loss_type: str = field(default="grpo", metadata={"help": "TRL's loss aggregation for the GRPO part (Eq. 8)."})
     # the loop
@@ -86,14 +102,6 @@ class FunnelConfig(AgentGRPOConfig):
             "judge layer, rewards/judge.py)."
         },
     )
-    editor_model: str | None = field(default=None, metadata={"help": "Model id at the endpoint ('openai' editor)."})
-    editor_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible base URL; None: OpenAI."})
-    editor_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "Env variable holding the API key."})
-    editor_cache_path: str | None = field(
-        default=None, metadata={"help": "sqlite3 cache of editor answers; None: <output_dir>/editor_cache.sqlite."}
-    )
-    editor_timeout: float = field(default=120.0, metadata={"help": "Seconds per editor request attempt."})
-    editor_max_retries: int = field(default=2, metadata={"help": "Transport re-sends after a failed request (§4.3)."})
     editor_evidence_rollouts: int = field(default=16, metadata={"help": "Rollouts shown to the editor (balanced)."})
     max_entries: int = field(default=8, metadata={"help": "Most entries of the state."})
     max_entry_chars: int = field(default=300, metadata={"help": "Longest entry text."})
@@ -142,8 +150,7 @@ class FunnelConfig(AgentGRPOConfig):
             raise ValueError("token_weight_max must be >= 1 and token_weight_kappa >= 0")
         if self.distill_temperature <= 0:
             raise ValueError(f"distill_temperature must be > 0, got {self.distill_temperature}")
-        if self.editor == "openai" and not self.editor_model:
-            raise ValueError("editor_model is required when editor is 'openai'")
+        EDITOR.check(self)
         if self.max_steps is None or self.max_steps < 1:
             raise ValueError(f"max_steps (optimizer steps per consolidation) must be >= 1, got {self.max_steps}")
 

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from envs.base import row_task
+from rewards.judge import Judge
 from trainers.agent_loop import LoopSettings, hf_generate, play
-from trainers.funnel import FunnelConfig, FunnelTrainer, paired_gate, selection_weights
+from trainers.funnel import EDITOR, FunnelConfig, FunnelTrainer, paired_gate, selection_weights
 from trainers.funnel_state import (
     CardEditor,
     Evidence,
@@ -193,12 +194,8 @@ class FunnelLoop:
         c = self.config
         if c.editor == "card":
             return CardEditor()
-        from rewards.judge import Judge, JudgeConfig
-
-        judge = Judge(JudgeConfig(
-            model=c.editor_model, base_url=c.editor_base_url, api_key_env=c.editor_api_key_env,
-            timeout=c.editor_timeout, max_retries=c.editor_max_retries, max_repairs=c.editor_max_retries,
-            temperature=0.0, seed=0, max_tokens=2048,
+        judge = Judge(EDITOR.judge_config(
+            c, max_repairs=c.editor_max_retries, temperature=0.0, seed=0, max_tokens=2048,
             cache_path=c.editor_cache_path or str(self.out / "editor_cache.sqlite"),
         ))  # fmt: skip
         budgets = {"max_entries": c.max_entries, "max_entry_chars": c.max_entry_chars,

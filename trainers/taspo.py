@@ -51,7 +51,7 @@ from rewards.analyzer import (
     leave_one_out,
     match_messages,
 )
-from rewards.judge import BaseJudge, Judge, JudgeConfig
+from rewards.judge import APIModelFields, BaseJudge, Judge
 from rewards.rubrics import render_task
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
 from trainers.credit import CreditOutput, credit_metrics, redistribute_multiplicative, turn_token_counts
@@ -61,11 +61,30 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("oracle", "openai")
 TAU_MODES = ("fixed", "auto")
+# the API analyzer's endpoint fields `analyzer_model`, ... (declared from `rewards.judge.API_MODEL_FIELDS`)
+ANALYZER = APIModelFields(
+    "analyzer",
+    ("model", "base_url", "api_key_env", "cache_path", "concurrency", "timeout", "max_retries", "max_repairs")
+    + ("temperature", "max_tokens", "price_input_per_mtok", "price_output_per_mtok"),
+    selector="analyzer_backend",
+    defaults={"max_repairs": 2, "temperature": 0.0, "max_tokens": 4096},
+    help={
+        "concurrency": "Most analyzer calls in flight (taspo.md §5).",
+        "timeout": "Seconds per analyzer call attempt (§5).",
+        "max_retries": "Transport re-sends: 2 gives 3 attempts (D11).",
+        "max_repairs": "Re-asks with the validation error after an invalid answer: 3 attempts (D11).",
+        "temperature": "Analyzer temperature (taspo.md §5).",
+        "max_tokens": "Analyzer max output tokens.",
+    },
+)
 
 
 @dataclass
+@ANALYZER.add_fields
 class TASPOConfig(AgentGRPOConfig):
-    """AgentGRPOConfig plus TASPO's weights, analyzer and teacher settings (`docs/methods/taspo.md` §5)."""
+    """AgentGRPOConfig plus TASPO's weights, analyzer and teacher settings (`docs/methods/taspo.md` §5); the endpoint
+    fields (`analyzer_model`, ..., `analyzer_price_output_per_mtok`) are declared by `ANALYZER`, after
+    `analyzer_backend`."""
 
     taspo_epsilon: float = field(default=0.2, metadata={"help": "ε: weights lie in (1 − ε, 1 + ε) (taspo.md D1)."})
     taspo_kappa: float = field(default=0.05, metadata={"help": "κ: |Δ| below it (nats) counts as 0 (taspo.md Eq. 8)."})
@@ -84,24 +103,10 @@ class TASPOConfig(AgentGRPOConfig):
             "help": "`oracle` (built-in environments' ground truth, offline) or `openai` (any compatible endpoint)."
         },
     )
-    analyzer_model: str | None = field(default=None, metadata={"help": "Model id at the endpoint (`openai` only)."})
-    analyzer_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible base URL; None: OpenAI."})
-    analyzer_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "Env variable holding the API key."})
-    analyzer_cache_path: str | None = field(default=None, metadata={"help": "sqlite3 cache of analyzer answers."})
-    analyzer_concurrency: int = field(default=32, metadata={"help": "Most analyzer calls in flight (taspo.md §5)."})
-    analyzer_timeout: float = field(default=180.0, metadata={"help": "Seconds per analyzer call attempt (§5)."})
-    analyzer_max_retries: int = field(default=2, metadata={"help": "Transport re-sends: 2 gives 3 attempts (D11)."})
-    analyzer_max_repairs: int = field(
-        default=2, metadata={"help": "Re-asks with the validation error after an invalid answer: 3 attempts (D11)."}
-    )
     analyzer_step_deadline: float = field(
         default=1200.0, metadata={"help": "Seconds for all analyzer work of a step."}
     )
-    analyzer_temperature: float = field(default=0.0, metadata={"help": "Analyzer temperature (taspo.md §5)."})
-    analyzer_max_tokens: int = field(default=4096, metadata={"help": "Analyzer max output tokens."})
     analyzer_observation_chars: int = field(default=1000, metadata={"help": "Observation cap in analyzer inputs."})
-    analyzer_price_input_per_mtok: float = field(default=0.0, metadata={"help": "USD per million prompt tokens."})
-    analyzer_price_output_per_mtok: float = field(default=0.0, metadata={"help": "USD per million completion tokens."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -119,8 +124,7 @@ class TASPOConfig(AgentGRPOConfig):
             raise ValueError(f"taspo_teacher must be one of {SOURCES}, got {self.taspo_teacher!r}")
         if self.analyzer_backend not in BACKENDS:
             raise ValueError(f"analyzer_backend must be one of {BACKENDS}, got {self.analyzer_backend!r}")
-        if self.analyzer_backend == "openai" and not self.analyzer_model:
-            raise ValueError("analyzer_model is required when analyzer_backend is 'openai'")
+        ANALYZER.check(self)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -290,22 +294,7 @@ def build_analyzer(args: TASPOConfig, datasets: list) -> BaseJudge:
                 "analyzer_backend 'oracle' needs a train_dataset with a `task` column (built-in env tasks)"
             )
         return OracleAnalyzer(tasks, obs_chars=args.analyzer_observation_chars)
-    return Judge(
-        JudgeConfig(
-            model=args.analyzer_model,
-            base_url=args.analyzer_base_url,
-            api_key_env=args.analyzer_api_key_env,
-            max_concurrency=args.analyzer_concurrency,
-            timeout=args.analyzer_timeout,
-            max_retries=args.analyzer_max_retries,
-            max_repairs=args.analyzer_max_repairs,
-            temperature=args.analyzer_temperature,
-            max_tokens=args.analyzer_max_tokens,
-            cache_path=args.analyzer_cache_path,
-            price_input_per_mtok=args.analyzer_price_input_per_mtok,
-            price_output_per_mtok=args.analyzer_price_output_per_mtok,
-        )
-    )
+    return Judge(ANALYZER.judge_config(args))
 
 
 @dataclass
