@@ -18,6 +18,22 @@ CURVES = [
 ]
 
 
+def series(log_history: list[dict], key: str, x_scale: float = 1) -> list[tuple[float, float]]:
+    """(x_scale x step, value) of every logged `key`; None (a value with nothing behind it, e.g. the mean reward of a
+    batch without one) and NaN are left out."""
+    rows = [row for row in log_history if row.get(key) is not None and "step" in row and not math.isnan(row[key])]
+    return [(row["step"] * x_scale, row[key]) for row in rows]
+
+
+def curve_panels(log_history: list[dict]) -> list[tuple[str, str]]:
+    """The (log key, title) panels `plot_curves` draws, in `CURVES` order: each curve logged at least once, less the
+    reward panel when it repeats the success curve (a binary reward)."""
+    panels = [(key, name) for key, name in CURVES if series(log_history, key)]
+    if ("reward", "mean reward") in panels and series(log_history, "reward") == series(log_history, "env/success"):
+        panels.remove(("reward", "mean reward"))
+    return panels
+
+
 def plot_curves(
     log_history: list[dict],
     path: str | Path,
@@ -25,8 +41,8 @@ def plot_curves(
     rollouts_per_step: float | None = None,
     held_out: dict[str, float] | None = None,
 ) -> Path | None:
-    """One panel per logged curve of `CURVES`, against rollouts trained on (`rollouts_per_step` x step; the optimizer
-    step when it is None); returns the PNG path (None if nothing was logged).
+    """One panel per logged curve of `CURVES` (`curve_panels`), against rollouts trained on (`rollouts_per_step` x
+    step; the optimizer step when it is None); returns the PNG path (None if nothing was logged).
 
     The reward panel is left out when it repeats the success curve (a binary reward). `held_out` ({"before": x,
     "after": y}, held-out sampled success, or reward for a dataset) is drawn on the success panel (the reward panel
@@ -36,22 +52,15 @@ def plot_curves(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def series(key: str) -> list[tuple[float, float]]:
-        rows = [  # None: a value with nothing behind it (e.g. the mean reward of a batch without one)
-            row for row in log_history if row.get(key) is not None and "step" in row and not math.isnan(row[key])
-        ]
-        return [(row["step"] * (rollouts_per_step or 1), row[key]) for row in rows]
-
-    panels = [(key, name) for key, name in CURVES if series(key)]
-    if ("reward", "mean reward") in panels and series("reward") == series("env/success"):
-        panels.remove(("reward", "mean reward"))
+    panels = curve_panels(log_history)
     if not panels:
         return None
+    scale = rollouts_per_step or 1
     marked = "env/success" if any(key == "env/success" for key, _ in panels) else "reward"
-    last_x = max(x for key, _ in panels for x, _ in series(key))
+    last_x = max(x for key, _ in panels for x, _ in series(log_history, key, scale))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False)
     for ax, (key, name) in zip(axes[0], panels, strict=True):
-        points = series(key)
+        points = series(log_history, key, scale)
         ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, label="training")
         if key == marked and held_out:
             xs = {"before": 0, "after": last_x}
