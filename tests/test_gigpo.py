@@ -775,6 +775,77 @@ def test_process_equivalence(trainer, monkeypatch):
     assert not torch.equal(torch.cat(alone), stats.step_adv)  # per-process statistics would differ
 
 
+# A hand-checked batch (one task group, γ = 0.5, no std scaling, ω = 0.5). Returns (Eq. 1, 4; R on the last turn):
+# row 0 "s"→"t", R = 1: (0.5, 1); row 1 "s", R = 1: (1); row 2 "s"→"t", R = 0: (0, 0); row 3 "u", R = 0: (0).
+# Anchor "s" {0.5, 1, 0}, mean 0.5: A^S = 0, 0.5, -0.5; anchor "t" {1, 0}: 0.5, -0.5; "u" is a singleton: 0.
+# A^E = R - 0.5 = (0.5, 0.5, -0.5, -0.5). Tokens of turn j hold A^E + 0.5·A^S, environment tokens and padding 0.
+HAND_ROWS = [dict(keys=["s", "t"], R=1), dict(keys=["s"], R=1), dict(keys=["s", "t"], R=0), dict(keys=["u"], R=0)]
+HAND_A_E = [0.5, 0.5, -0.5, -0.5]
+HAND_OUT = [
+    [0.5, 0.5, 0, 0, 0.75, 0.75, 0, 0],  # 0.5 + 0.5·0, then 0.5 + 0.5·0.5
+    [0.75, 0.75, 0, 0, 0, 0, 0, 0],  # 0.5 + 0.5·0.5
+    [-0.75, -0.75, 0, 0, -0.75, -0.75, 0, 0],  # -0.5 + 0.5·(-0.5) at both steps
+    [-0.5, -0.5, 0, 0, 0, 0, 0, 0],  # the singleton adds nothing
+]
+
+
+def test_hand_checked_batch_and_rows_of_a_larger_batch():
+    """`gigpo_advantages` on the hand-checked batch, whole and as the rows [2, 4) of it (another process's share,
+    D11): the statistics come from the whole batch either way; rows outside the batch are refused."""
+    case = tensors(HAND_ROWS)
+    adv = torch.tensor(HAND_A_E)
+    full, stats = advantages(case, adv, omega=0.5, gamma=0.5, scale=False)
+    assert torch.equal(full.advantages, torch.tensor(HAND_OUT))
+    assert stats.step_adv.tolist() == [[0.0, 0.5], [0.5, 0.0], [-0.5, -0.5], [0.0, 0.0]]
+    c = case
+    whole = (c["turn_valid"], c["turn_rewards"], c["rewards"], c["keys"], c["group_ids"], 0.5, 0.5, False)
+    part, part_stats = gigpo_advantages(adv[2:], c["turn_index"][2:], *whole, start=2)
+    assert torch.equal(part.advantages, torch.tensor(HAND_OUT[2:]))
+    assert torch.equal(part.values, full.values[2:]) and torch.equal(part_stats.step_adv, stats.step_adv)
+    alone, _ = advantages(tensors(HAND_ROWS[2:]), adv[2:], omega=0.5, gamma=0.5, scale=False)
+    assert not torch.equal(alone.advantages, part.advantages)  # rows 2-3 alone have no anchor partner for "s"
+    with pytest.raises(ValueError, match="not inside"):
+        gigpo_advantages(adv[2:], c["turn_index"][2:], *whole, start=3)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_trainer_hook_is_gigpo_advantages_on_the_hand_checked_batch(trainer, monkeypatch, processes):
+    """The trainer's advantages are those of the hand-checked batch, computed by one call of `gigpo_advantages`
+    (there is no second implementation in the hook), on one process and as two processes of two rows each."""
+    monkeypatch.setattr(trainer.args, "scale_rewards", "none")
+    monkeypatch.setattr(trainer.args, "gigpo_gamma", 0.5)
+    monkeypatch.setattr(trainer.args, "gigpo_step_weight", 0.5)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("start"))
+        return gigpo_advantages(*args, **kwargs)
+
+    monkeypatch.setattr(gigpo_module, "gigpo_advantages", spy)
+    case = tensors(HAND_ROWS)
+    adv = torch.tensor(HAND_A_E)
+    if processes == 1:
+        out = trainer.compute_advantages(rollout_batch(case, adv))
+        assert calls == [0]
+    else:
+        halves = [rollout_batch({k: v[lo : lo + 2] for k, v in case.items()}, adv[lo : lo + 2]) for lo in (0, 2)]
+        whole = rollout_batch(case, adv)
+        monkeypatch.setattr(gigpo_module, "gather", lambda t: next(
+            getattr(whole, n) for n in ("advantages", "turn_valid", "turn_rewards", "rewards")
+            if any(t is getattr(h, n) for h in halves)
+        ))  # fmt: skip
+        monkeypatch.setattr(
+            gigpo_module, "gather_object", lambda o: whole.state_keys if isinstance(o[0], list) else case["group_ids"]
+        )
+        outs = []
+        for p in (0, 1):
+            monkeypatch.setattr(trainer, "accelerator", SimpleNamespace(num_processes=2, process_index=p))
+            outs.append(trainer.compute_advantages(halves[p]))
+        out = torch.cat(outs)
+        assert calls == [0, 2]
+    assert torch.equal(out, torch.tensor(HAND_OUT))
+
+
 class Probe(GiGPOTrainer):
     """Keeps the last batch its advantage hook saw, with the output."""
 

@@ -247,10 +247,16 @@ def gigpo_advantages(
     gamma: float = 0.95,
     scale: bool = True,
     eta: float | None = None,
+    start: int = 0,
 ) -> tuple[CreditOutput, GiGPOStats]:
     """GiGPO's per-token advantages, gigpo.md Eq. 1-7: A^E_i + ω·A^S_ij on the loss tokens of step j, 0 on tokens of
-    no step (the additive form, credit-interface.md Eq. I-3). `adv` (B,) is A^E, TRL's group advantage (Eq. 2); ω ≥ 0
-    (Eq. 6); the other arguments are those of `gigpo_step_level`.
+    no step (the additive form, credit-interface.md Eq. I-3). `adv` (b,) is A^E, TRL's group advantage (Eq. 2); ω ≥ 0
+    (Eq. 6); `turn_valid`, `turn_rewards`, `rewards`, `keys` and `group_ids` describe the whole batch (B rows) and are
+    those of `gigpo_step_level`, which runs over all of it.
+
+    `adv` and `turn_index` (b, T) are rows [start, start + b) of that batch, the rows that get advantages: by default
+    the whole batch (start 0, b = B); with several processes, one process's rows of the gathered batch (D11).
+    The statistics returned cover the whole batch.
 
     >>> out, _ = gigpo_advantages(torch.tensor([0.0, 0.0]), torch.tensor([[0, -1, 1], [0, -1, -1]]),
     ...     torch.tensor([[True, True], [True, False]]), torch.zeros(2, 2), torch.tensor([1.0, 1.0]),
@@ -258,8 +264,13 @@ def gigpo_advantages(
     >>> out.advantages.tolist()  # both succeed; at "s" the 1-step rollout's return 1 beats 0.5
     [[-0.25, 0.0, 0.0], [0.25, 0.0, 0.0]]
     """
-    stats = gigpo_step_level(turn_valid, turn_rewards, rewards, keys, group_ids, gamma, scale, eta)
-    out = redistribute_additive(adv, turn_index, stats.step_adv.to(adv.device), turn_valid, omega)  # Eq. 6-7
+    b = adv.shape[0]
+    if not 0 <= start <= start + b <= turn_valid.shape[0]:
+        raise ValueError(f"rows [{start}, {start + b}) are not inside the batch of {turn_valid.shape[0]} rows")
+    stats = gigpo_step_level(turn_valid, turn_rewards, rewards, keys, group_ids, gamma, scale, eta)  # Eq. 1, 3-5, 9
+    own = stats.step_adv[start : start + b].to(adv.device)  # (b, K) A^S of the rows that get advantages
+    valid = turn_valid[start : start + b].to(adv.device)  # (b, K)
+    out = redistribute_additive(adv, turn_index, own, valid, omega)  # Eq. 6-7
     return out, stats
 
 
@@ -341,13 +352,10 @@ class GiGPOTrainer(AgentGRPOTrainer):
             return super().compute_advantages(batch)
         start = acc.process_index * B if acc.num_processes > 1 else 0
         scale = args.scale_rewards != "none"  # D4: one switch for both levels
-        stats = gigpo_step_level(  # Eq. 1, 3-5, 9 over the whole batch
-            valid_all, turn_rewards_all, rewards_all, keys, group_ids, args.gigpo_gamma, scale, args.gigpo_similarity
-        )
-        own = stats.step_adv[start : start + B].to(batch.advantages.device)
-        out = redistribute_additive(  # Eq. 6-7 (credit-interface.md Eq. I-3)
-            batch.advantages, batch.turn_index, own, batch.turn_valid, args.gigpo_step_weight
-        )
+        out, stats = gigpo_advantages(  # Eq. 1-7 over the whole batch, advantages for this process's rows
+            batch.advantages, batch.turn_index, valid_all, turn_rewards_all, rewards_all, keys, group_ids,
+            args.gigpo_step_weight, args.gigpo_gamma, scale, args.gigpo_similarity, start=start,
+        )  # fmt: skip
         self.credit = out
         metrics = credit_metrics(out, batch.advantages, batch.turn_index, batch.turn_valid, "additive")
         metrics |= gigpo_metrics(stats, adv_all, valid_all, group_ids, args.gigpo_step_weight)
