@@ -161,6 +161,44 @@ def test_trl_loss_with_a_equal_minus_g_has_the_gradient_of_eq9(scored):
     model.zero_grad()
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_trainer_loss_on_random_returns_and_masks_is_eq9(scored, seed):
+    """The trainer's loss path (`policy_loss`: TRL's GRPO loss, which β-OPSD does not override) on the scored
+    micro-batch with random returns G (A = −G, any sign and scale, padding included) and a random model-token mask
+    has, parameter by parameter, the gradient of `beta_opsd_loss` (Eq. 9) on the same log-probs, G and mask. Its
+    value is Eq. 9's aggregation of G alone, (1/B) Σ_b (1/M_b) Σ_t m_t·G_t (the ratio is 1 at the rollout point),
+    not Eq. 9's value: the two differ by a term without gradient."""
+    trainer, out = scored
+    model = trainer.model
+    trainer.current_gradient_accumulation_steps = 1
+    g = torch.Generator().manual_seed(seed)
+    inputs = dict(out)
+    B, T = inputs["completion_ids"].shape
+    returns = 3.0 * torch.randn(B, T, generator=g, dtype=torch.float64)  # G
+    inputs["advantages"] = (-returns).to(out["advantages"].dtype)  # the trainer's A = −G (Eq. 10 at λ_d = 1)
+    tool = inputs.get("tool_mask", torch.ones_like(inputs["completion_mask"]))
+    inputs["tool_mask"] = tool * (torch.rand(B, T, generator=g) < 0.7).to(tool.dtype)  # drop ~30% more tokens
+    inputs["tool_mask"][0] = 0  # a row without model tokens contributes 0 (C6)
+    mask = trainer.loss_mask(inputs)
+    assert mask[1:].sum(-1).min() > 0 and not torch.equal(mask, trainer.loss_mask(out))
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    loss = trainer.policy_loss(model, inputs)
+    loss.backward()
+    trl_grads = [p.grad.clone() for p in params]
+    model.zero_grad()
+    logps, _, _ = trainer.forward_logps(model, inputs)
+    beta_opsd_loss(logps, returns.to(inputs["advantages"].dtype).double(), mask).backward()  # Eq. 9
+    for a, b in zip(trl_grads, [p.grad for p in params], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+    assert any(t.abs().sum() > 0 for t in trl_grads)  # the check is not vacuous
+    model.zero_grad()
+    m = mask.double()
+    g_used = returns.to(inputs["advantages"].dtype).double()
+    value = ((g_used * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()  # Eq. 9's aggregation of G, ratio 1
+    assert loss.item() == pytest.approx(value.item(), rel=1e-5, abs=1e-6)
+
+
 def test_teacher_gets_no_gradient_and_w_follows_the_global_step(scored):
     trainer, _ = scored
     assert all(p.grad is None for p in trainer.initial_model.parameters())

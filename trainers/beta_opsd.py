@@ -213,7 +213,9 @@ def reward_to_go(rho: Tensor, mask: Tensor, gamma: float, turn_index: Tensor | N
 
 def beta_opsd_loss(logp: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """Eq. 9 (minimised): (1/B) Σ_b (1/M_b) Σ_t m_t·sg(G_t)·log π(y_t); only `logp` carries a gradient. A row with no
-    model token contributes 0 (its count is clamped to 1, C6)."""
+    model token contributes 0 (its count is clamped to 1, C6). The trainer trains with TRL's loss fed A = −G, whose
+    gradient at the rollout point is this one (not its value: the ratio there is 1);
+    tests/test_beta_opsd_trainer.py checks the two gradients agree parameter by parameter."""
     m = mask.bool()
     terms = torch.where(m, returns.detach().to(logp.dtype) * logp, torch.zeros_like(logp))  # padding may hold -inf
     per_row = terms.sum(-1) / m.sum(-1).clamp(min=1).to(logp.dtype)
