@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from rewards.judge import Judge, JudgeConfig
 from tests.judge_server import JudgeServer, error, ok
 from trainers.funnel import (
     FunnelConfig,
+    FunnelTrainer,
     GateResult,
     benefit,
     consolidation_loss,
@@ -316,33 +318,92 @@ def test_weight_bounds_and_exact_zero_off_mask(mode):
 
 def test_topk_frac_hand_example():
     # model tokens are positions 0-4 (M = 5); position 5 is an environment token with the largest D
+    # sorted model D: 0.5, 0.5, 0.5, 0.3, 0.1; the bonus goes to D_t > D_(k+1), k = ceil(q·M)
     d = torch.tensor([[0.3, 0.5, 0.5, 0.1, 0.5, 0.9]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
-    # q = 0.4: ceil(2.0) = 2 tokens; three tie at 0.5, the earliest two win
-    assert token_weights(d, mask, "topk_frac", kappa=1.0, topk=0.4).tolist() == [[1, 2, 2, 1, 1, 0]]
-    # q = 0.3: ceil(1.5) = 2 as well
-    assert token_weights(d, mask, "topk_frac", kappa=1.0, topk=0.3).tolist() == [[1, 2, 2, 1, 1, 0]]
-    # q = 0.5: ceil(2.5) = 3, all three tied tokens
+    # q = 0.4: k = ceil(2.0) = 2, but D_(2) = D_(3) = 0.5: three tokens tie across the cut, none gets the bonus
+    assert token_weights(d, mask, "topk_frac", kappa=1.0, topk=0.4).tolist() == [[1, 1, 1, 1, 1, 0]]
+    # q = 0.3: k = ceil(1.5) = 2 as well; q = 0.1: k = ceil(0.5) = 1, D_(2) = 0.5, the same tie
+    assert token_weights(d, mask, "topk_frac", kappa=1.0, topk=0.3).tolist() == [[1, 1, 1, 1, 1, 0]]
+    assert token_weights(d, mask, "topk_frac", kappa=1.0, topk=0.1).tolist() == [[1, 1, 1, 1, 1, 0]]
+    # q = 0.5: k = ceil(2.5) = 3, D_(4) = 0.3 < 0.5: all three tied tokens, no tie across the cut
     assert token_weights(d, mask, "topk_frac", kappa=1.0, topk=0.5).tolist() == [[1, 2, 2, 1, 2, 0]]
-    # q = 0.1: ceil(0.5) = 1; kappa = 10 is clipped at omega_max = 4
-    assert token_weights(d, mask, "topk_frac", kappa=10.0, omega_max=4.0, topk=0.1).tolist() == [[1, 4, 1, 1, 1, 0]]
-    # q = 1: every model token
+    # q = 0.8: k = 4, D_(5) = 0.1: every token above 0.1; kappa = 10 is clipped at omega_max = 4
+    assert token_weights(d, mask, "topk_frac", kappa=10.0, omega_max=4.0, topk=0.8).tolist() == [[4, 4, 4, 1, 4, 0]]
+    # q = 1: k = M, every model token
     assert token_weights(d, mask, "topk_frac", kappa=0.5, topk=1.0).tolist() == [[1.5] * 5 + [0.0]]
+
+
+def test_topk_frac_ties_at_the_threshold_hand_example():
+    # M = 6, sorted D: 0.7, 0.4, 0.4, 0.4, 0.2, 0.1
+    d = torch.tensor([[0.2, 0.7, 0.4, 0.4, 0.1, 0.4]], dtype=torch.float64)
+    mask = torch.ones(1, 6, dtype=torch.long)
+    # q = 0.5: k = 3; D_(3) = D_(4) = 0.4 tie across the cut: only 0.7 (> D_(4)) gets 1 + κ = 3, one token, not 3
+    assert token_weights(d, mask, "topk_frac", kappa=2.0, topk=0.5).tolist() == [[1, 3, 1, 1, 1, 1]]
+    # q = 0.6: k = ceil(3.6) = 4; D_(5) = 0.2: 0.7 and the three 0.4s, no tie across the cut
+    assert token_weights(d, mask, "topk_frac", kappa=2.0, topk=0.6).tolist() == [[1, 3, 3, 3, 1, 3]]
+    # q = 0.2: k = ceil(1.2) = 2; D_(3) = 0.4 tie with D_(2): again only 0.7
+    assert token_weights(d, mask, "topk_frac", kappa=2.0, topk=0.2).tolist() == [[1, 3, 1, 1, 1, 1]]
+    # q = 0.1: k = 1; D_(2) = 0.4 < 0.7, no tie: the single largest token
+    assert token_weights(d, mask, "topk_frac", kappa=2.0, topk=0.1).tolist() == [[1, 3, 1, 1, 1, 1]]
+
+
+def test_topk_frac_all_equal_gives_unit_weights():
+    """funnel.md §7 item 5 and Eq. 5: a row whose model tokens' D are all equal gets ω = 1 at every model token,
+    whatever q (k < M and k = M alike), 0 off them; D at environment tokens does not count."""
+    d = torch.tensor([
+        [0.3, 0.3, 0.3, 0.3, 0.3],
+        [0.0, 0.0, 0.0, 0.0, 0.0],
+        [0.2, 0.9, 0.2, 0.2, 0.0],  # model tokens 0, 2, 3 all 0.2; the environment token's 0.9 is ignored
+        [0.6, 0.0, 0.0, 0.0, 0.0],  # a single model token
+    ], dtype=torch.float64)  # fmt: skip
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 0, 0, 0, 0]])
+    for q in (0.0, 0.2, 0.5, 1.0):
+        omega = token_weights(d, mask, "topk_frac", kappa=1.0, topk=q)
+        assert torch.equal(omega, mask.double()), q
+    # with D ≡ 0 the loss is plain reverse-KL OPSD, as with linear_norm (D2)
+    zeros = torch.zeros(4, 5, dtype=torch.float64)
+    assert torch.equal(token_weights(zeros, mask, "topk_frac"), token_weights(zeros, mask, "linear_norm"))
 
 
 def test_topk_frac_count_matches_ceil_on_random_rows():
     g = torch.Generator().manual_seed(2)
     for q in (0.05, 0.2, 0.35):
-        d = torch.rand(5, 23, generator=g, dtype=torch.float64)
+        d = torch.rand(5, 23, generator=g, dtype=torch.float64)  # continuous: no ties
         mask = (torch.rand(5, 23, generator=g) < 0.8).long()
         omega = token_weights(d, mask, "topk_frac", kappa=1.0, topk=q)
         for b in range(5):
             m = int(mask[b].sum())
             k = math.ceil(q * m - 1e-9)
             idx = [t for t in range(23) if mask[b, t]]
-            top = sorted(idx, key=lambda t: (-d[b, t].item(), t))[:k]
+            top = sorted(idx, key=lambda t: -d[b, t].item())[:k]
             expected = [2.0 if t in top else (1.0 if mask[b, t] else 0.0) for t in range(23)]
             assert omega[b].tolist() == expected
+
+
+def test_topk_frac_with_ties_matches_every_tie_break_rule():
+    """Random rows of D drawn from three values (many ties): a model token gets 1 + κ iff it is among the k largest
+    under every ordering of the ties, i.e. at most k model tokens have D >= its D (plain Python); never more than k
+    tokens get the bonus, and the count is k whenever there is no tie across the cut."""
+    rng = random.Random(4)
+    for _ in range(200):
+        T = rng.randint(1, 9)
+        d = torch.tensor([[rng.choice([0.0, 0.25, 0.5]) for _ in range(T)]], dtype=torch.float64)
+        mask = torch.tensor([[int(rng.random() < 0.8) for _ in range(T)]])
+        q = rng.choice([0.1, 0.2, 0.5, 0.75, 1.0])
+        omega = token_weights(d, mask, "topk_frac", kappa=1.0, topk=q)[0].tolist()
+        model = [t for t in range(T) if mask[0, t]]
+        values = [d[0, t].item() for t in model]
+        k = math.ceil(q * len(model) - 1e-9)
+        same = len(set(values)) == 1
+        for t in range(T):
+            at_least = sum(v >= d[0, t].item() for v in values)
+            want = 0.0 if not mask[0, t] else (2.0 if at_least <= k and not same else 1.0)
+            assert omega[t] == want, (d, mask, q, t)
+        cut_tie = 0 < k < len(values) and sorted(values, reverse=True)[k - 1] == sorted(values, reverse=True)[k]
+        assert omega.count(2.0) <= k
+        if not cut_tie and not same:
+            assert omega.count(2.0) == k
 
 
 def test_token_weights_rejects_unknown_mode_and_never_carry_gradient():
@@ -445,6 +506,68 @@ def test_reverse_kl_gradient_matches_finite_differences_and_closed_form():
     kl = (p * (p_log - teacher)).sum(-1, keepdim=True)
     torch.testing.assert_close(grad, weights.unsqueeze(-1) * p * (p_log - teacher - kl), rtol=0, atol=1e-12)
     assert teacher.grad is None
+
+
+def lm_head(H: int, V: int, bias: bool, g: torch.Generator) -> torch.nn.Linear:
+    head = torch.nn.Linear(H, V, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g))
+        if bias:
+            head.bias.copy_(torch.randn(V, generator=g))
+    return head
+
+
+def logps_of(hidden: torch.Tensor, head: torch.nn.Linear, tau: float) -> torch.Tensor:
+    """log softmax((hidden @ W^T + b) / τ) in float64, (N, V) logits built in full: what the pure functions read."""
+    logits = hidden.double() @ head.weight.double().T
+    if head.bias is not None:
+        logits = logits + head.bias.double()
+    return torch.log_softmax(logits / tau, dim=-1)
+
+
+@pytest.mark.parametrize("heads", ["two", "two_with_bias", "shared_with_bias"])
+@pytest.mark.parametrize("tau", [0.7, 1.6])
+@pytest.mark.parametrize("N, V", [(37, 50), (5, 33_000), (4_100, 11)])  # 33 000 > TRL's vocabulary chunk (32 768),
+def test_training_divergence_is_the_pure_functions(heads, tau, N, V):  # 4 100 > its token chunk (4 096)
+    """The divergence the trainer runs, `FunnelTrainer._divergence` (TRL's chunked kernel, no (N, V) logits), equals
+    the pure functions on full logits: β = 0.5 (`_attribution`'s D_t, Eq. 4) is `jsd_per_token`, β = 1 (the trained
+    KL_t, Eq. 6) is `reverse_kl_per_token`, at a temperature τ ≠ 1, on random hidden states and LM heads (with and
+    without bias; one head shared by student and teacher as with the LoRA teacher adapter, D3). β = 1 is
+    backpropagated in training: its gradient reaches the student's hidden states and head exactly as the pure
+    function's (a weighted sum, like Eq. 7), and neither path sends any to the teacher's side. β = 0.5 runs under
+    no_grad (`_attribution`), so only its value matters. The config exposes no β: these two are the trainer's."""
+    H = 6
+    g = torch.Generator().manual_seed(N + V + int(10 * tau))
+    head_s = lm_head(H, V, heads != "two", g)
+    head_t = head_s if heads == "shared_with_bias" else lm_head(H, V, heads != "two", g)
+    h_s = torch.randn(N, H, generator=g).requires_grad_(True)  # (N, H) float32, as the trainer's hidden states
+    h_t = torch.randn(N, H, generator=g).requires_grad_(True)  # a leaf, to see that no gradient reaches it
+    weights = torch.rand(N, generator=g, dtype=torch.float64) + 0.5  # ω-like positive weights
+    host = SimpleNamespace(args=SimpleNamespace(distill_temperature=tau))  # all `_divergence` reads of the trainer
+
+    jsd = FunnelTrainer._divergence(host, h_s, head_s, h_t, head_t, 0.5).detach()  # (N,)
+    with torch.no_grad():
+        want = jsd_per_token(logps_of(h_s, head_s, tau), logps_of(h_t, head_t, tau))
+    assert jsd.shape == (N,) and float(want.max()) > 1e-2  # the heads differ: the check is not near 0 = 0
+    torch.testing.assert_close(jsd.double(), want, rtol=1e-4, atol=1e-6)
+
+    kl = FunnelTrainer._divergence(host, h_s, head_s, h_t, head_t, 1.0)  # (N,)
+    (weights.float() * kl).sum().backward()
+    kernel = [h_s.grad.clone(), head_s.weight.grad.clone()] + ([head_s.bias.grad.clone()] if heads != "two" else [])
+    assert h_t.grad is None and (heads == "shared_with_bias" or head_t.weight.grad is None)
+    for p in (h_s, *head_s.parameters(), *head_t.parameters()):
+        p.grad = None
+    student = logps_of(h_s, head_s, tau)
+    teacher = logps_of(h_t, head_t, tau)  # a live graph on a shared head: the pure function detaches it itself
+    ref = reverse_kl_per_token(student, teacher)
+    torch.testing.assert_close(kl.double(), ref, rtol=1e-4, atol=1e-6)
+    (weights * ref).sum().backward()
+    pure = [h_s.grad, head_s.weight.grad] + ([head_s.bias.grad] if heads != "two" else [])
+    assert all(float(p.abs().max()) > 1e-3 for p in pure)  # gradients to compare, not zeros
+    for a, b in zip(kernel, pure, strict=True):
+        # the kernel accumulates in float32: seen up to 4e-6 of the largest entry off the float64 reference
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+    assert h_t.grad is None and (heads == "shared_with_bias" or head_t.weight.grad is None)
 
 
 def test_consolidation_loss_endpoints_and_blend():

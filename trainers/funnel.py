@@ -206,8 +206,11 @@ def token_weights(
     eps: float = 1e-8, topk: float = 0.2,
 ) -> Tensor:  # fmt: skip
     """ω of Eq. 5 (B, T), detached, 0 off `mask`. `linear_norm`: clip(1 + κ·D_t / (D̄ + ε), 0, ω_max) with D̄ the
-    row's mean over its model tokens, and ω = 1 on a row whose D̄ is 0; `none`: 1; `topk_frac`: 1 + κ on the
-    ceil(q·M) tokens of largest D in the row (M its model tokens; ties broken by position), clipped at ω_max."""
+    row's mean over its model tokens, and ω = 1 on a row whose D̄ is 0; `none`: 1; `topk_frac`: min(1 + κ, ω_max) on
+    the model tokens whose D is larger than D_(k+1), the (k+1)-th largest D of the row (k = ceil(q·M), M its model
+    tokens; every model token when k = M), else 1: the tokens among the k largest however ties are broken. Tokens
+    tied at the k-th value across the cut get no bonus (at most k tokens get it), and a row whose D are all equal
+    gets ω = 1."""
     m = mask.bool()
     d = torch.where(m, jsd.detach().double(), torch.zeros_like(jsd, dtype=torch.float64))
     ones = torch.ones_like(d)
@@ -221,12 +224,12 @@ def token_weights(
     elif mode == "topk_frac":
         omega = ones.clone()
         for b in range(d.shape[0]):
-            idx = m[b].nonzero().flatten()
-            if len(idx) == 0:
-                continue
-            k = math.ceil(topk * len(idx))
-            top = idx[torch.argsort(-d[b, idx], stable=True)[:k]]
-            omega[b, top] = min(1.0 + kappa, omega_max)
+            values = d[b][m[b]]  # (M,) the row's model tokens
+            if len(values) == 0 or bool((values == values[0]).all()):
+                continue  # no token stands out: ω = 1, as linear_norm's D̄ = 0 (D2)
+            k = math.ceil(topk * len(values))
+            cut = torch.sort(values, descending=True).values[k].item() if k < len(values) else -math.inf  # D_(k+1)
+            omega[b, d[b] > cut] = min(1.0 + kappa, omega_max)  # Eq. 5, topk_frac (0 off the mask below)
     else:
         raise ValueError(f"token weight mode must be one of {TOKEN_WEIGHT_MODES}, got {mode!r}")
     return torch.where(m, omega, torch.zeros_like(omega)).to(jsd.dtype)
