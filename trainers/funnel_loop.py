@@ -543,8 +543,9 @@ def plot_gates(history: list[dict], path: Path) -> Path | None:
     return Path(path)
 
 
-def run_funnel(run, config: FunnelConfig, model_args, sources, model_path: str, tokenizer) -> dict:
-    """train.py's entry for `trainer: funnel`: load the policy (LoRA if asked), run or resume the loop, report."""
+def run_funnel(run, config: FunnelConfig, model_args, sources, model_path: str, tokenizer) -> tuple[dict, object]:
+    """The run path of `trainer: funnel` (called by agent_trl/funnel_run.py): load the policy (LoRA if asked), run or
+    resume the loop, save the model; returns the loop's result and the trained model."""
     from transformers import AutoModelForCausalLM
     from trl import get_peft_config
 
