@@ -8,4 +8,7 @@
 * `run_info`: the model a run trains (`resolve_model`) and the facts summary.json records about it;
 * `evaluation`: the before/after held-out evaluation;
 * `funnel_run`: the Experience Funnel's own run path (`trainer: funnel`).
+
+After training: `evaluate` (`python -m agent_trl.evaluate`), any run, checkpoint, adapter or model on the run's
+held-out tasks, with pass@k and pass^k (docs/after-training.md).
 """

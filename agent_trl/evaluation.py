@@ -1,5 +1,6 @@
 """The held-out evaluation a run reports before and after training: sampled and greedy, on the environment's eval
-tasks (success, pass^k) or, single-turn, on the dataset's held-out prompts (reward)."""
+tasks (success, pass^k) or, single-turn, on the dataset's held-out prompts (reward). `python -m agent_trl.evaluate`
+plays the same episodes with the same settings (`loop_settings`, `prompt_sampling`) after training."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ from functools import partial
 from agent_trl.arguments import RunArguments
 from agent_trl.sources import Sources
 from trainers.agent_loop import LoopSettings, evaluate, evaluate_prompts
+
+
+def loop_settings(config) -> LoopSettings:
+    """The episode budgets of the trainer config: tokens per turn, per episode, and turns."""
+    return LoopSettings(config.max_turn_tokens, config.max_completion_length, config.max_turns)
+
+
+def prompt_sampling(config) -> dict:
+    """The sampling settings of the trainer config a single-turn dataset is evaluated with (top_k None: no top-k)."""
+    return dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or 0)
 
 
 def held_out(model, tokenizer, sources: Sources, run: RunArguments, config) -> dict:
@@ -20,14 +31,13 @@ def held_out(model, tokenizer, sources: Sources, run: RunArguments, config) -> d
             reward_weights=config.reward_weights,
         )
         tasks = sources.eval_rows
-        sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or 0)
+        sampling = prompt_sampling(config)
         return {
             "sampled": evaluate_prompts(model, tokenizer, tasks, sources.reward_funcs, **sampling, **kw),
             "greedy": evaluate_prompts(model, tokenizer, tasks, sources.reward_funcs, greedy=True, **kw),
         }
-    settings = LoopSettings(config.max_turn_tokens, config.max_completion_length, config.max_turns)
     factory = partial(sources.environment.factory, {})
-    kw = dict(settings=settings, batch_size=run.eval_batch_size)
+    kw = dict(settings=loop_settings(config), batch_size=run.eval_batch_size)
     tasks = sources.eval_rows
     return {
         "sampled": evaluate(

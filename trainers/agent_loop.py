@@ -1,7 +1,8 @@
 """Multi-turn rollouts: the agent plays environments, batched across every live episode, token-in/token-out.
 
 `play` is the loop; `trainer_rollouts` plays it for `AgentGRPOTrainer` (whose TRL `rollout_func` hook returns
-`to_trl` of those rollouts), and `evaluate` runs it on held-out tasks outside training. One turn of the loop:
+`to_trl` of those rollouts), and `evaluate` runs it on held-out tasks outside training (`play_tasks` keeps the
+episodes, for `python -m agent_trl.evaluate`). One turn of the loop:
 
 1. the contexts of all live episodes (`prompt_ids + completion_ids`, plain token concatenation, never re-tokenised)
    are left-padded and generated in ONE batched call, capped at `max_turn_tokens` new tokens; the HF backend keeps
@@ -670,7 +671,7 @@ def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
 
 
 @cpu_fast_paths()  # the trainer's CPU switches (docs/methods/grpo.md D12, D14), as in training
-def evaluate(
+def play_tasks(
     model,
     tokenizer,
     env_cls: type[Env] | Callable[[], Env],
@@ -681,8 +682,9 @@ def evaluate(
     batch_size: int = 64,
     samples: int = 1,
     progress: bool = True,
-) -> dict[str, float]:
-    """Held-out success and reward: `samples` episodes per task (pass^k counts tasks solved in all of them)."""
+) -> list[Rollout]:
+    """`samples` episodes of each task, `batch_size` at a time, in eval mode (the model's mode is restored after).
+    Task-major: episode s of task i is rollout i * samples + s."""
     was_training = model.training
     model.eval()
     generate = hf_generate(model, tokenizer, temperature=temperature, do_sample=not greedy)
@@ -695,6 +697,12 @@ def evaluate(
         bar.update(len(chunk))
     bar.close()
     model.train(was_training)
+    return rollouts
+
+
+def evaluation_metrics(rollouts: list[Rollout], tasks: list[dict], samples: int) -> dict[str, float]:
+    """What `evaluate` reports of `play_tasks`' rollouts: success, reward, pass^samples (tasks solved in every one of
+    their episodes), turns, and success per environment for a mixed pool."""
     successes = torch.tensor([r.success for r in rollouts], dtype=torch.float64).view(len(tasks), samples)
     rewards = torch.tensor([r.env_reward for r in rollouts], dtype=torch.float64)
     out = {
@@ -711,6 +719,24 @@ def evaluate(
     return out
 
 
+def evaluate(
+    model,
+    tokenizer,
+    env_cls: type[Env] | Callable[[], Env],
+    tasks: list[dict],
+    settings: LoopSettings | None = None,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    batch_size: int = 64,
+    samples: int = 1,
+    progress: bool = True,
+) -> dict[str, float]:
+    """Held-out success and reward: `samples` episodes per task (pass^k counts tasks solved in all of them); the
+    episodes themselves: `play_tasks`, the numbers: `evaluation_metrics`."""
+    kw = dict(temperature=temperature, greedy=greedy, batch_size=batch_size, samples=samples, progress=progress)
+    return evaluation_metrics(play_tasks(model, tokenizer, env_cls, tasks, settings, **kw), tasks, samples)
+
+
 def prompt_ids_like_trl(tokenizer, prompts: list) -> list[list[int]]:
     """Prompt ids as TRL's GRPOTrainer makes them: the chat template with the generation prompt for conversational
     prompts (message lists), the plain tokenizer for text prompts."""
@@ -721,43 +747,39 @@ def prompt_ids_like_trl(tokenizer, prompts: list) -> list[list[int]]:
 
 
 @cpu_fast_paths()  # the trainer's CPU switches (docs/methods/grpo.md D12, D14), as in training
-def evaluate_prompts(
+def score_prompts(
     model,
     tokenizer,
     rows: list[dict],
     reward_funcs: Sequence[Callable],
-    reward_weights: Sequence[float] | None = None,
     max_new_tokens: int = 256,
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
     greedy: bool = False,
     batch_size: int = 64,
+    samples: int = 1,
     progress: bool = True,
-) -> dict[str, float]:
-    """Held-out score of a single-turn dataset: one completion per row (prompts rendered as TRL renders them), scored
-    by `reward_funcs` with TRL's call (`prompts`, `completions`, `completion_ids`, the other columns as lists).
-
-    Returns `reward` (the `reward_weights`-weighted sum, mean over rows; a function's None counts as 0),
-    `rewards/<name>` (each function's mean over the rows it scored), and `success`: the fraction of rows on which
-    every function returned a positive value (for a 0/1 exact-match reward, the accuracy)."""
-    weights = torch.tensor(list(reward_weights) if reward_weights else [1.0] * len(reward_funcs), dtype=torch.float64)
-    if len(weights) != len(reward_funcs):
-        raise ValueError(f"{len(reward_funcs)} reward functions but {len(weights)} reward_weights")
+) -> tuple[list[str], torch.Tensor]:
+    """`samples` completions of each row (prompts rendered as TRL renders them; row-major: completion s of row i is
+    i * samples + s), scored by `reward_funcs` with TRL's call (`prompts`, `completions`, `completion_ids`, the other
+    columns as lists). Returns (completion texts, scores (N * samples, F), NaN where a function returned None)."""
     was_training = model.training
     model.eval()
     generate = hf_generate(
         model, tokenizer, temperature=temperature, top_p=top_p, top_k=top_k, do_sample=not greedy, reuse_cache=False
     )
-    scores = []
-    bar = tqdm(total=len(rows), desc="greedy eval" if greedy else "sampled eval", disable=not progress, leave=False)
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
+    jobs = [r for r in rows for _ in range(samples)]
+    scores, all_texts = [], []
+    bar = tqdm(total=len(jobs), desc="greedy eval" if greedy else "sampled eval", disable=not progress, leave=False)
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start : start + batch_size]
         prompts = [r["prompt"] for r in chunk]
         completion_ids = []
         for ids, _ in generate(prompt_ids_like_trl(tokenizer, prompts), max_new_tokens):
             completion_ids.append(ids[: ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        all_texts += texts
         completions = [
             [{"role": "assistant", "content": t}] if isinstance(p, list) else t
             for p, t in zip(prompts, texts, strict=True)
@@ -780,11 +802,49 @@ def evaluate_prompts(
         bar.update(len(chunk))
     bar.close()
     model.train(was_training)
-    scores = torch.cat(scores).to(torch.float64)  # (N, F)
-    out = {
-        "success": (scores > 0).all(dim=1).double().mean().item(),
-        "reward": (scores.nan_to_num(0.0) * weights).sum(dim=1).mean().item(),
-    }
+    return all_texts, torch.cat(scores).to(torch.float64)  # (N * samples, F)
+
+
+def prompt_outcomes(scores: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per completion, from its scores (N, F) and the reward weights (F,): success (N,), every function returned a
+    positive value (a None fails), and the weighted reward (N,), a None counting 0."""
+    return (scores > 0).all(dim=1), (scores.nan_to_num(0.0) * weights).sum(dim=1)
+
+
+def evaluate_prompts(
+    model,
+    tokenizer,
+    rows: list[dict],
+    reward_funcs: Sequence[Callable],
+    reward_weights: Sequence[float] | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    batch_size: int = 64,
+    progress: bool = True,
+    samples: int = 1,
+) -> dict[str, float]:
+    """Held-out score of a single-turn dataset: `samples` completions per row (`score_prompts`), averaged over all.
+
+    Returns `reward` (the `reward_weights`-weighted sum, mean over completions; a function's None counts as 0),
+    `rewards/<name>` (each function's mean over the completions it scored), and `success`: the fraction of
+    completions on which every function returned a positive value (for a 0/1 exact-match reward, the accuracy)."""
+    weights = torch.tensor(list(reward_weights) if reward_weights else [1.0] * len(reward_funcs), dtype=torch.float64)
+    if len(weights) != len(reward_funcs):
+        raise ValueError(f"{len(reward_funcs)} reward functions but {len(weights)} reward_weights")
+    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, batch_size=batch_size)
+    kw.update(samples=samples, progress=progress)
+    _, scores = score_prompts(model, tokenizer, rows, reward_funcs, max_new_tokens, **kw)  # (N * samples, F)
+    return prompt_metrics(scores, weights, reward_funcs)
+
+
+def prompt_metrics(scores: torch.Tensor, weights: torch.Tensor, reward_funcs: Sequence[Callable]) -> dict[str, float]:
+    """What `evaluate_prompts` reports of the scores (N, F) of N completions: success and reward (`prompt_outcomes`,
+    mean over completions) and `rewards/<name>`, each function's mean over the completions it scored."""
+    success, reward = prompt_outcomes(scores, weights)  # (N,), (N,)
+    out = {"success": success.double().mean().item(), "reward": reward.mean().item()}
     for i, func in enumerate(reward_funcs):
         column = scores[:, i]
         name = getattr(func, "__name__", f"reward_{i}")
