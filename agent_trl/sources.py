@@ -13,7 +13,12 @@ from datasets import Dataset
 from agent_trl.arguments import RunArguments
 from envs.base import row_task
 from envs.sources import EnvironmentSource, check_environment, load_environment, load_splits
-from rewards.loading import load_reward_funcs
+from rewards.loading import check_reward_funcs, load_reward_funcs
+from trainers.agent_loop import to_trl
+
+# What the agent loop adds to each row the reward functions see, with an environment: the extra fields of its TRL
+# `rollout_func` return (`to_trl`), less the ids and log-probs TRL keeps and `env_mask` (TRL pops it: the tool mask)
+LOOP_FIELDS = tuple(k for k in to_trl([]) if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask"))
 
 
 @dataclass
@@ -82,7 +87,20 @@ def env_rows(source: EnvironmentSource, tasks: list[dict]) -> Dataset:
 
 
 def load_sources(run: RunArguments, config) -> Sources:
-    """Resolve environment, dataset and rewards; every mistake stops here, before a model is loaded."""
+    """Resolve environment, dataset and rewards; every mistake stops here, before a model is loaded. The reward
+    functions are checked against the columns of the training rows (plus `LOOP_FIELDS` with an environment) and,
+    single-turn, of the held-out rows they also score."""
+    sources = _resolve_sources(run, config)
+    if sources.reward_funcs is not None:
+        fields = LOOP_FIELDS if sources.environment is not None else ()
+        check_reward_funcs(run.reward_funcs, sources.reward_funcs, sources.train.column_names, fields)
+        held_out = list(sources.eval_rows[0]) if sources.environment is None and sources.eval_rows else []
+        if held_out and set(held_out) != set(sources.train.column_names):
+            check_reward_funcs(run.reward_funcs, sources.reward_funcs, held_out, where="the held-out split")
+    return sources
+
+
+def _resolve_sources(run: RunArguments, config) -> Sources:
     if isinstance(run.environment, str) and run.environment.lower() == "none":
         run.environment = None  # single-turn training on the dataset's prompts
     elif run.environment is None and run.dataset_name is None:

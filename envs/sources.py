@@ -48,8 +48,39 @@ class EnvironmentSource:
     builtin: bool
 
 
+# The top-level packages and module this project installs (pyproject.toml): an import path starting with one of them
+# finds the project's, even where the working directory holds a file or folder of the same name
+PROJECT_PACKAGES = ("agent_trl", "envs", "rewards", "trainers", "train")
+
+
+def shadowed_by_project(module_name: str) -> str | None:
+    """The file or folder of the working directory (`rewards.py`, `rewards/`) that this project's package of the
+    same first name hides from `module_name`, or None."""
+    top = module_name.split(".")[0]
+    if top not in PROJECT_PACKAGES:
+        return None
+    own = os.path.realpath(importlib.import_module(top).__file__)  # .../rewards/__init__.py or .../train.py
+    for mine in (f"{top}.py", top):
+        path = os.path.join(os.getcwd(), mine)
+        if os.path.exists(path) and os.path.realpath(path) not in (own, os.path.dirname(own)):
+            return mine + ("/" if os.path.isdir(path) else "")
+    return None
+
+
+def _shadow_error(field_name: str, path: str, module_name: str, mine: str) -> SystemExit:
+    top = module_name.split(".")[0]
+    what = "folder" if mine.endswith("/") else "file"
+    return SystemExit(
+        f"error: {field_name} {path!r}: `{top}` is this project's own package, which hides your {mine} in the "
+        f"working directory (the project installs the top-level names {', '.join(PROJECT_PACKAGES)}); rename your "
+        f"{what}, e.g. to my_{mine}, and pass my_{path}"
+    )
+
+
 def import_object(path: str, field_name: str):
-    """`package.module:attr` or `package.module.attr`, imported with the working directory on `sys.path`."""
+    """`package.module:attr` or `package.module.attr`, imported with the working directory on `sys.path`. When the
+    module or attribute is missing from one of the project's packages that hides a file or folder of the working
+    directory, the error says so."""
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
@@ -60,8 +91,14 @@ def import_object(path: str, field_name: str):
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        mine = shadowed_by_project(module_name)
+        if mine is not None:
+            raise _shadow_error(field_name, path, module_name, mine) from e
         raise SystemExit(f"error: {field_name} {path!r}: cannot import module {module_name!r} ({e})") from e
     if not hasattr(module, attr):
+        mine = shadowed_by_project(module_name)
+        if mine is not None:
+            raise _shadow_error(field_name, path, module_name, mine)
         raise SystemExit(f"error: {field_name} {path!r}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)
 
