@@ -60,6 +60,8 @@ def check_run(run: RunArguments, config, model_args) -> None:
             timeout = min(float(getattr(config, f"{role}_timeout", 30.0)), 30.0)
             if problem := check_endpoint(base_url, key_env, timeout):
                 problems.append(f"{role}_base_url / {role}_api_key_env: {problem}")
+    if problem := hub_problem(config):
+        problems.append(problem)
     if problems:
         raise SystemExit("error: " + "; ".join(problems))
     try:  # a run that cannot save its model must not train first
@@ -78,6 +80,31 @@ def check_run(run: RunArguments, config, model_args) -> None:
             config.max_completion_length,
             config.max_turn_tokens,
         )
+
+
+def hub_problem(config) -> str | None:
+    """Why `push_to_hub` cannot work, found at start-up: TRL's trainer creates the Hub repository when it is built
+    (after the model load and the held-out evaluation before training) and pushes at every save and at the end, so an
+    offline Hub or a missing token would fail after that work, or after training, before summary.json is written.
+    Refused here instead, before anything runs: the Hub is off (HF_HUB_OFFLINE), no token is known (`hub_token`,
+    HF_TOKEN or `hf auth login`), or the Hub does not accept the token (one `whoami` call). A connection that drops
+    after start-up still fails TRL's final push, after the model is saved in output_dir but before summary.json."""
+    if not getattr(config, "push_to_hub", False):
+        return None
+    from huggingface_hub import HfApi, constants, get_token
+
+    fix = "train without push_to_hub (the model is saved in output_dir) and upload it later (`hf upload`)"
+    if constants.HF_HUB_OFFLINE:
+        return f"push_to_hub needs the Hugging Face Hub, and HF_HUB_OFFLINE is set; unset it, or {fix}"
+    token = config.hub_token or get_token()
+    if not token:
+        where = "hub_token, HF_TOKEN or `hf auth login`"
+        return f"push_to_hub needs a Hub token ({where}) and none is set; log in, or {fix}"
+    try:
+        HfApi().whoami(token=token)
+    except Exception as e:  # unreachable, or a rejected token: the error says which
+        return f"push_to_hub: the Hub did not accept the token ({type(e).__name__}: {e}); fix it, or {fix}"
+    return None
 
 
 MIN_FREE_BYTES = 100 * 2**20  # the floor of free space: a tiny run's checkpoints and summary take a few MiB
