@@ -9,6 +9,7 @@
 * `evaluation`: the before/after held-out evaluation;
 * `funnel_run`: the Experience Funnel's own run path (`trainer: funnel`).
 
-After training: `evaluate` (`python -m agent_trl.evaluate`), any run, checkpoint, adapter or model on the run's
-held-out tasks, with pass@k and pass^k (docs/after-training.md).
+After training (docs/after-training.md): `evaluate` (`python -m agent_trl.evaluate`: any run, checkpoint, adapter or
+model on the run's held-out tasks, with pass@k and pass^k), `export` (a LoRA adapter merged into its base, a folder
+vLLM and `transformers serve` load, a model card) and `play` (one episode against a served model).
 """
