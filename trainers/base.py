@@ -269,6 +269,8 @@ class AgentGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         check_sampling_and_batches(self)  # before TRL's own post-init, which divides by some of these
+        if self.bf16 is None and not self.fp16:  # TRL's default is bf16, which a CPU-only machine refuses
+            self.bf16 = bf16_available(self.use_cpu)
         super().__post_init__()
         if not 0.0 <= self.max_unscorable_frac <= 1.0:
             raise ValueError(f"max_unscorable_frac must be in [0, 1], got {self.max_unscorable_frac}")
@@ -304,6 +306,17 @@ class AgentGRPOConfig(GRPOConfig):
             was = "None (the model's own)" if self.router_aux_loss_coef is None else self.router_aux_loss_coef
             logger.warning("routing_replay forces router_aux_loss_coef %s -> 0.0 (routing-replay.md D10)", was)
             self.router_aux_loss_coef = 0.0
+
+
+def bf16_available(use_cpu: bool) -> bool:
+    """Whether a run with `bf16` left unset trains in bfloat16: TRL's default (True) where a GPU that supports it
+    will run the model, float32 on a CPU (`use_cpu`, or no accelerator), where transformers refuses bf16 mixed
+    precision."""
+    if use_cpu:
+        return False
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")  # TRL 1.16's GRPO losses
