@@ -9,35 +9,71 @@ from agent_trl.arguments import RunArguments
 from agent_trl.sources import Sources
 from envs import ENVIRONMENTS
 from envs.adapters import is_adapter_spec
-from envs.tiny import is_tiny, tiny_dataset_model, tiny_model
+from envs.base import row_task
+from envs.tiny import built_for, environment_id, is_import_path, is_tiny, tiny_dataset_model, tiny_model
 
 
 def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
-    """The folder or Hub id to load: `tiny` (a dataset) and `tiny:<env>` are built, or read from the cache, with the
-    run's tiny_* sizes; any other name is returned as given."""
+    """The folder or Hub id to load: `tiny` (the tiny default of the run's own environment, or of its dataset when it
+    has none) and `tiny:<env>` are built, or read from the cache, with the run's tiny_* sizes; any other name is
+    returned as given. A tiny default made for another environment than the run's stops here (`check_built_for`)."""
+    env = run.environment if sources.environment is not None else None  # None: single-turn prompts of a dataset
     if not is_tiny(name):
+        check_built_for(built_for(name), env, name)  # a folder a tiny build wrote records what it was built for
         return name
-    if name == "tiny" and sources.environment is None:  # a tiny default for the dataset, warm-started on its answers
+    kind, _, target = name.partition(":")
+    if name == "tiny" and env is None:  # a tiny default for the dataset, warm-started on its answers
         sizes = {"sft_steps": run.tiny_sft_steps, "num_demos": run.tiny_num_demos}
         sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
         if run.tiny_privileged_frac:
             raise SystemExit("error: tiny_privileged_frac needs an environment (its privileged text); not a dataset")
         return tiny_dataset_model(list(sources.train), seed=run.tiny_seed, **sizes)
-    if ":" not in name:
+    if env is None and not target:
         raise SystemExit(
-            f"error: model_name_or_path {name!r}: `tiny` alone is the tiny default of a single-turn dataset; for an "
-            f"environment it is tiny:<env> (tiny:{'|tiny:'.join(sorted(ENVIRONMENTS))}), and for your own "
-            "environment name a model folder or Hub id"
+            f"error: model_name_or_path {name!r}: {kind} is the tiny default of the run's environment, and this run "
+            "has none; for a single-turn dataset it is `tiny`"
         )
-    settings = sources.environment_kwargs  # an ecosystem environment's tasks depend on them (envs/adapters/)
+    if target:
+        check_built_for(target, env, name)
+    target = environment_id(target or env)  # `tiny` alone: the run's own environment (built-in, ecosystem or yours)
+    own = is_import_path(target)
+    settings = sources.environment_kwargs  # an ecosystem environment's tasks depend on them, your class's too
     sizes = {
         "sft_steps": run.tiny_sft_steps,
         "num_demos": run.tiny_num_demos,
         "privileged_frac": run.tiny_privileged_frac,
-        "env_kwargs": json.dumps(settings, sort_keys=True) if settings and is_adapter_spec(run.environment) else None,
+        "env_kwargs": json.dumps(settings, sort_keys=True) if settings and (own or is_adapter_spec(target)) else None,
+        # your class without make_tasks: the expert plays the run's training rows (a dataset's)
+        "tasks": [row_task(row) for row in sources.train] if own and sources.environment.make_tasks is None else None,
     }
     sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
-    return tiny_model(name, difficulty=run.difficulty, seed=run.tiny_seed, **sizes)
+    return tiny_model(f"{kind}:{target}", difficulty=run.difficulty, seed=run.tiny_seed, **sizes)
+
+
+def check_built_for(built: str | None, env: str | None, name: str) -> None:
+    """Stop when a tiny default (`tiny:<built>`, or a folder whose tiny_spec.json records `built`) meets another
+    environment than the one it was built for, `env` (None: a dataset's single-turn prompts): its tokenizer and warm
+    start know only that environment's text, so it would play that environment's actions. Names this project did
+    not build (None, or not an environment's name) pass, and so does a run on a server's URL (`openenv:ws://...`),
+    which does not say what it serves."""
+    if built is None or not (built == "dataset" or built in ENVIRONMENTS or is_adapter_spec(built)
+                             or is_import_path(built)):  # fmt: skip
+        return
+    if env is not None and "://" in env:
+        return
+    made = None if built == "dataset" else environment_id(built)
+    if made == environment_id(env):
+        return
+    what = "a dataset" if made is None else repr(made)
+    knows = "that dataset's text" if made is None else f"{made}'s text and actions"
+    where = "a dataset's single-turn prompts (no environment)" if env is None else repr(environment_id(env))
+    recorded = "" if is_tiny(name) else " (its tiny_spec.json says so)"
+    own = "from the environment's expert" if env is not None else "from the dataset's rows"
+    raise SystemExit(
+        f"error: model_name_or_path {name!r} is the tiny default of {what}{recorded}, and this run trains on {where}: "
+        f"its tokenizer and warm start know only {knows}. Use model_name_or_path: tiny (the tiny default of this "
+        f"run, built offline {own}), or name a model made for it (a folder or a Hub id)"
+    )
 
 
 def adapter_settings(model_args) -> dict:

@@ -8,7 +8,8 @@
 * an import path, `package.module:Class` or `package.module.Class` (the working directory is importable, as for
   `trl grpo --reward_funcs`), built with `environment_kwargs`:
   - a subclass of `envs.base.Env`, used as it is;
-  - any other class with `reset` and `step` (the protocol of `envs/base.py`), wrapped in `ProtocolEnv`;
+  - any other class with `reset` and `step` (the protocol of `envs/base.py`), wrapped in `ProtocolEnv`
+    (`ExpertProtocolEnv` when it also has an expert, `expert_action` and `noisy_action`: the tiny default plays it);
   - a TRL-style tool class (`reset` plus public tool methods, no `step`), run through `ToolEnv`.
 
 `load_splits(...)` reads a dataset with `datasets` in TRL's conventions (`dataset_name`, `dataset_config`,
@@ -23,6 +24,7 @@ import importlib
 import inspect
 import json
 import os
+import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,17 @@ from envs.adapters import adapter_class, is_adapter_spec
 from envs.base import Env, ProtocolEnv, ToolEnv, tool_methods
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class ExpertProtocolEnv(ProtocolEnv):
+    """`ProtocolEnv` of a class that has an expert of its own, `expert_action()` and `noisy_action(rng)` as
+    `envs.base.Env` defines them: the tiny default's demonstrations play it (`envs.tiny`)."""
+
+    def expert_action(self) -> str:
+        return self.inner.expert_action()
+
+    def noisy_action(self, rng: random.Random) -> str:
+        return self.inner.noisy_action(rng)
 
 
 @dataclass
@@ -136,7 +149,9 @@ def load_environment(spec: str, kwargs: dict | None = None, difficulty: int = 0)
         return EnvironmentSource(spec, lambda row: obj(**kwargs), obj.make_tasks if own_tasks else None, False)
     if callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
         make_tasks = getattr(obj, "make_tasks", None)
-        return EnvironmentSource(spec, lambda row: ProtocolEnv(obj(**kwargs)), make_tasks, False)
+        expert = callable(getattr(obj, "expert_action", None)) and callable(getattr(obj, "noisy_action", None))
+        wrapper = ExpertProtocolEnv if expert else ProtocolEnv
+        return EnvironmentSource(spec, lambda row: wrapper(obj(**kwargs)), make_tasks, False)
     if callable(getattr(obj, "reset", None)) and tool_methods(obj):
         return EnvironmentSource(spec, lambda row: ToolEnv(obj, env_kwargs=kwargs), None, False)
     raise SystemExit(

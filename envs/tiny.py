@@ -19,16 +19,27 @@ held-out success). Building a default takes 2-5 minutes on two CPU cores.
 Demonstrations are noisy on purpose: with probability `noise` a turn takes the environment's
 `noisy_action` (a plausible mistake) instead of the expert's, so SFT alone imitates the mistakes in its sampling
 distribution and RL has something to remove (see the project's notes on measuring RL gains honestly).
+
+Your own environment (`environment: package.module:Class` with `model_name_or_path: tiny`; in the library
+`tiny_model("tiny:package.module:Class", env_kwargs=...)`) is built the same way, from the class's own expert
+(`expert_action` and `noisy_action`, as `envs.base.Env` defines them), played on environments built as the run
+builds them (`envs.sources.load_environment`, with `environment_kwargs`) on the class's `make_tasks("train", ...)`
+tasks, or on the dataset's rows when the run gives its tasks by dataset. Its key adds a hash of the file that defines
+the class (an edited class rebuilds) and `environment_kwargs`; a dataset's tasks add a hash of them to the folder's
+name. A class without an expert stops before the build with what it needs. Every folder records the environment it
+was built for in `tiny_spec.json` (`env`, `env_kwargs`), which `built_for` reads back.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import random
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -113,27 +124,63 @@ class TinySpec:
             overrides["env_kwargs"] = json.dumps(settings, sort_keys=True) if settings else ""
         return cls(env=env, moe=kind == "tiny-moe", **overrides)
 
-    def env_class(self) -> type[Env] | None:
-        """The environment the demonstrations come from (None: not a known environment)."""
+    def env_class(self) -> type | None:
+        """The environment the demonstrations come from: a built-in or ecosystem `Env` class, or the class an import
+        path names, as written (None: not a known environment)."""
         from envs import environment_class
+        from envs.sources import import_object
 
+        if is_import_path(self.env):
+            return import_object(self.env, "environment")
         return environment_class(self.env, json.loads(self.env_kwargs) if self.env_kwargs else None)
 
     def key(self) -> str:
-        """Hash of the settings and of the environment's `demo_version` (left out while 0, so keys made before it
-        existed stay valid)."""
+        """Hash of the settings, of the environment's `demo_version` (left out while 0, so keys made before it
+        existed stay valid) and, for a class named by import path, of the file that defines it."""
         settings = asdict(self)
         for optional in ("privileged_frac", "env_kwargs"):
             if not settings[optional]:
                 del settings[optional]
-        demo_version = getattr(self.env_class(), "demo_version", 0)
+        env_cls = self.env_class()
+        demo_version = getattr(env_cls, "demo_version", 0)
         if demo_version:
             settings["demo_version"] = demo_version
+        if is_import_path(self.env):  # an edited class (its text, its expert) rebuilds
+            settings["source"] = hashlib.sha256(Path(inspect.getfile(env_cls)).read_bytes()).hexdigest()[:16]
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def is_tiny(name: str | None) -> bool:
     return bool(name) and name.split(":", 1)[0] in ("tiny", "tiny-moe")
+
+
+def is_import_path(env: str | None) -> bool:
+    """Whether an environment name is an import path (`package.module:Class`), not a built-in or ecosystem name."""
+    from envs import ENVIRONMENTS
+    from envs.adapters import is_adapter_spec
+
+    return bool(env) and env not in ENVIRONMENTS and not is_adapter_spec(env) and ("." in env or ":" in env)
+
+
+def environment_id(env: str | None) -> str | None:
+    """The name of an environment as a tiny default records it: an import path as `package.module:Class` (the
+    `package.module.Class` spelling names the same class), any other name as given; None for no environment."""
+    if env is None or not is_import_path(env) or ":" in env:
+        return env
+    module, _, attr = env.rpartition(".")
+    return f"{module}:{attr}"
+
+
+def built_for(folder: str) -> str | None:
+    """The environment a model folder's tiny default was built for (its `tiny_spec.json`; `dataset` for
+    `tiny_dataset_model`), or None when the folder is not one built here."""
+    path = Path(os.path.expanduser(folder)) / "tiny_spec.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("env")
+    except (OSError, ValueError):
+        return None
 
 
 def cache_root() -> Path:
@@ -146,17 +193,25 @@ def demonstrations(
     """`n` chat transcripts of the expert on training tasks; each turn is a `noisy_action` with probability `noise`.
     With `privileged_frac` > 0 that share of them (drawn with their own generator) shows the task's privileged text
     after the first observation and follows it without noise."""
+    tasks = env_cls.make_tasks("train", n, seed=seed, difficulty=difficulty)
+    return played_demonstrations(lambda task: env_cls(difficulty=difficulty), tasks, seed, noise, privileged_frac)
+
+
+def played_demonstrations(
+    make_env: Callable[[dict], Env], tasks: list[dict], seed: int, noise: float, privileged_frac: float = 0.0
+) -> list[list[dict]]:
+    """`demonstrations` on given tasks, each played on `make_env(task)` (e.g. `EnvironmentSource.factory`)."""
     rng, picks = random.Random(seed), random.Random(seed + 1)
     demos = []
-    for task in env_cls.make_tasks("train", n, seed=seed, difficulty=difficulty):
-        env = env_cls(difficulty=difficulty)
+    for task in tasks:
+        env = make_env(task)
         block = env.privileged(task) if privileged_frac and picks.random() < privileged_frac else None
         first, transcript, done = noisy_expert_episode(env, task, 0.0 if block else noise, rng)
         messages = [{"role": "user", "content": f"{first}\n\n{block}" if block else first}]
         for k, turn in enumerate(transcript):
             messages.append({"role": "assistant", "content": turn["action"]})
             if not (done and k == len(transcript) - 1):
-                messages.append({"role": env_cls.observation_role, "content": turn["observation"]})
+                messages.append({"role": env.observation_role, "content": turn["observation"]})
         demos.append(messages)
     return demos
 
@@ -164,17 +219,29 @@ def demonstrations(
 def check_expert(env_cls: type[Env], name: str, difficulty: int, n: int = 20) -> None:
     """Stop before a build whose demonstrations would teach nothing: the environment has no expert, or its expert
     (without noise) succeeds on none of `n` training tasks within the turn budget."""
+    tasks = env_cls.make_tasks("train", n, seed=0, difficulty=difficulty)
+    check_played_expert(lambda task: env_cls(difficulty=difficulty), tasks, name)
+
+
+def check_played_expert(make_env: Callable[[dict], Env], tasks: list[dict], name: str) -> None:
+    """`check_expert` on given tasks, each played on `make_env(task)`; the expert must also have its plausible
+    mistake (`noisy_action`), which the noisy demonstrations play."""
     wins = 0
-    for task in env_cls.make_tasks("train", n, seed=0, difficulty=difficulty):
-        env = env_cls(difficulty=difficulty)
+    for i, task in enumerate(tasks):
+        env = make_env(task)
         env.reset(task)
-        for _ in range(env.max_turns):
+        for turn in range(env.max_turns):
             try:
+                if i == turn == 0:  # one probe: the noisy demonstrations take it on a share of the turns
+                    env.noisy_action(random.Random(0))
                 action = env.expert_action()
             except NotImplementedError as e:
                 raise SystemExit(
                     f"error: model_name_or_path {name!r}: the tiny default learns from an expert's demonstrations, "
-                    f"and {env_cls.name} has none ({e}); name a model folder or a Hub id instead"
+                    f"and {env.name} has none{f' ({e})' if str(e) else ''}. Give the class an expert, as "
+                    "envs.base.Env defines it: expert_action(self) -> str (the right next action in the current "
+                    "state) and noisy_action(self, rng) -> str (a plausible mistake); or name a model folder or a "
+                    "Hub id (--model_name_or_path)"
                 ) from e
             _, _, done, info = env.step(action)
             if done:
@@ -182,8 +249,8 @@ def check_expert(env_cls: type[Env], name: str, difficulty: int, n: int = 20) ->
                 break
     if wins == 0:
         raise SystemExit(
-            f"error: model_name_or_path {name!r}: {env_cls.name}'s expert succeeded on none of {n} training tasks "
-            f"within {env_cls.max_turns} turns, so its demonstrations would teach nothing; name a model folder "
+            f"error: model_name_or_path {name!r}: {env.name}'s expert succeeded on none of {len(tasks)} training "
+            f"tasks within {env.max_turns} turns, so its demonstrations would teach nothing; name a model folder "
             "or a Hub id, or raise the environment's turn budget"
         )
 
@@ -326,25 +393,43 @@ def install_shipped(folder: Path) -> None:
                 raise
 
 
-def tiny_model(name: str, difficulty: int = 0, seed: int = 0, **overrides) -> str:
-    """Folder of the tiny default for `name` ("tiny:shop", "tiny-moe:search", ...), built if not cached."""
+def tiny_model(name: str, difficulty: int = 0, seed: int = 0, tasks: list[dict] | None = None, **overrides) -> str:
+    """Folder of the tiny default for `name` ("tiny:shop", "tiny-moe:search", "tiny:package.module:Class", ...),
+    built if not cached. `tasks`: the training tasks to play the expert on when the environment has no `make_tasks`
+    (a run's dataset rows; cycled up to `num_demos`), a hash of them in the folder's name."""
     from envs import ENVIRONMENTS
+    from envs.sources import load_environment
 
     spec = TinySpec.parse(name, difficulty=difficulty, seed=seed, **overrides)
-    env_cls = spec.env_class()
-    if env_cls is None:
+    if spec.env_class() is None:
         raise ValueError(
-            f"model_name_or_path {name!r}: unknown environment {spec.env!r}; known: {sorted(ENVIRONMENTS)} and the "
-            "ecosystem's (tiny:reasoning_gym:<task>, tiny:textarena:<game>, tiny:gymnasium:<env id>, ...)"
+            f"model_name_or_path {name!r}: unknown environment {spec.env!r}; known: {sorted(ENVIRONMENTS)}, the "
+            "ecosystem's (tiny:reasoning_gym:<task>, tiny:textarena:<game>, tiny:gymnasium:<env id>, ...) and "
+            "import paths (tiny:package.module:Class)"
         )
-    folder = cache_root() / "tiny" / f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-{spec.key()}"
+    # the environments are built as a run builds them (a built-in or ecosystem one exactly as `spec.env_class()`)
+    source = load_environment(spec.env, json.loads(spec.env_kwargs) if spec.env_kwargs else None, spec.difficulty)
+    folder_name = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-{spec.key()}"
+    if tasks is not None:
+        tasks = [tasks[i % len(tasks)] for i in range(spec.num_demos)]
+        folder_name += "-" + hashlib.sha256(json.dumps(tasks, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    elif source.make_tasks is None:
+        raise ValueError(
+            f"model_name_or_path {name!r}: {spec.env} has no make_tasks; pass its training tasks (a dataset's rows)"
+        )
+    folder = cache_root() / "tiny" / folder_name
     if (folder / "model.safetensors").exists():
         return str(folder)
     if (SHIPPED / folder.name / "model.safetensors").exists():  # the repository's copy of this exact build
         install_shipped(folder)
         return str(folder)
-    check_expert(env_cls, name, spec.difficulty)
-    demos = demonstrations(env_cls, spec.num_demos, spec.seed, spec.difficulty, spec.noise, spec.privileged_frac)
+    if tasks is None:
+        check = source.make_tasks("train", 20, seed=0, difficulty=spec.difficulty)
+        tasks = source.make_tasks("train", spec.num_demos, seed=spec.seed, difficulty=spec.difficulty)
+    else:
+        check = tasks[:20]
+    check_played_expert(source.factory, check, name)
+    demos = played_demonstrations(source.factory, tasks, spec.seed, spec.noise, spec.privileged_frac)
     # the role words are repeated so that each becomes one token (short sequences are fast sequences)
     texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
     tokenizer = build_tokenizer(texts, spec.vocab_size)

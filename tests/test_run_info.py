@@ -46,12 +46,18 @@ def test_tiny_for_a_dataset_has_no_privileged_text(builds):
     assert builds == []
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
-def test_a_tiny_name_without_its_environment_is_refused(builds, name):
-    """`tiny` with an environment, or `tiny-moe` alone: the message names the tiny:<env> forms."""
-    source = sources(environment=object()) if name == "tiny" else sources()
-    with pytest.raises(SystemExit, match=f"^error: model_name_or_path '{name}': `tiny` alone is the tiny default"):
-        resolve_model(name, RunArguments(), source)
+@pytest.mark.parametrize(("name", "built"), [("tiny", "tiny:terminal"), ("tiny-moe", "tiny-moe:terminal")])
+def test_tiny_alone_is_the_tiny_default_of_the_runs_environment(builds, name, built):
+    run = RunArguments(environment="terminal")
+    assert resolve_model(name, run, sources(environment=object())) == "/built/tiny_model"
+    assert builds == [("tiny_model", (built,), {"difficulty": 0, "seed": 0})]
+
+
+def test_tiny_moe_alone_without_an_environment_is_refused(builds):
+    message = "^error: model_name_or_path 'tiny-moe': tiny-moe is the tiny default of the run's environment, and this "
+    with pytest.raises(SystemExit, match=message + "run has none; for a single-turn dataset it is `tiny`"):
+        resolve_model("tiny-moe", RunArguments(), sources())
+    assert builds == []
 
 
 def test_tiny_for_an_environment_passes_the_set_sizes_only(builds):
