@@ -30,7 +30,7 @@ from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from agent_trl.arguments import RunArguments  # noqa: E402
 from agent_trl.config_file import check_config_file, join_negative_numbers  # noqa: E402
-from agent_trl.evaluation import held_out  # noqa: E402
+from agent_trl.evaluation import held_out, held_out_logs  # noqa: E402
 from agent_trl.funnel_run import run_funnel_report  # noqa: E402
 from agent_trl.preflight import check_report_to, check_run  # noqa: E402
 from agent_trl.resume import StopOnSignal, close_process_group, resume_checkpoint  # noqa: E402
@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
         model = trainer.accelerator.unwrap_model(trainer.model)
         summary["after"] = held_out(model, tokenizer, sources, run, config)
         print(f"held-out success after RL: {json.dumps(summary['after'])}")
+    if config.report_to and held_out_logs(summary):  # the trackers get the held-out numbers at the last step,
+        logs = {f"eval_{k}": v for k, v in held_out_logs(summary).items()}  # shown as eval/held_out/... (rewrite_logs)
+        trainer.callback_handler.on_log(config, trainer.state, trainer.control, logs)
     summary["wall_seconds"] = round(time.time() - start, 1)
     # new rollouts per optimizer step: one generation batch feeds num_iterations x (steps_per_generation / GA) steps
     summary["rollouts_per_step"] = config.generation_batch_size / max(1, updates_per_generation)  # global batch

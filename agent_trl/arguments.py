@@ -55,7 +55,21 @@ class RunArguments:
     )
     num_eval_tasks: int = field(default=200, metadata={"help": "Held-out tasks (eval split) for before/after eval."})
     task_seed: int = field(default=0, metadata={"help": "Seed of the task generator (and of a held-out slice)."})
-    eval_samples: int = field(default=1, metadata={"help": "Sampled episodes per eval task (pass^k uses all)."})
+    eval_samples: int = field(
+        default=1,
+        metadata={
+            "help": "Sampled episodes per eval task, or completions per held-out prompt of a dataset; above 1 the "
+            "held-out numbers add pass@k (solved at least once) and pass^k (solved every time), k = eval_samples."
+        },
+    )
+    success_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "When a single-turn dataset's completion counts as a success in the held-out numbers: its "
+            "weighted reward is at least this. None: every reward function returned a positive value (for a 0/1 "
+            "reward, the accuracy; partial credit would count as success, so set e.g. 1.0 for a reward in [0, 1])."
+        },
+    )
     eval_batch_size: int = field(default=100, metadata={"help": "Episodes played together during evaluation."})
     skip_eval: bool = field(default=False, metadata={"help": "Skip the before/after held-out evaluation."})
     tiny_seed: int = field(

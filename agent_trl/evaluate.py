@@ -257,8 +257,8 @@ def evaluate_mode(model, tokenizer, sources: Sources, run, config, samples: int,
         sampling = {"greedy": True} if greedy else prompt_sampling(config)
         texts, scores = score_prompts(model, tokenizer, tasks, funcs, config.max_completion_length, **sampling,
                                       batch_size=run.eval_batch_size, samples=samples)  # fmt: skip
-        success, reward = prompt_outcomes(scores, weights)  # (N * samples,), (N * samples,)
-        numbers = {**prompt_metrics(scores, weights, funcs), "turns": 1.0}
+        success, reward = prompt_outcomes(scores, weights, run.success_threshold)  # (N * samples,), (N * samples,)
+        numbers = {**prompt_metrics(scores, weights, funcs, samples, run.success_threshold), "turns": 1.0}
         names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(funcs)]
         records = [
             {

@@ -21,9 +21,28 @@ def prompt_sampling(config) -> dict:
     return dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or 0)
 
 
+def held_out_logs(summary: dict) -> dict[str, float]:
+    """The held-out numbers of a run's summary (`before`, `after`) as flat metrics for a tracker:
+    `held_out/<when>/<sampled|greedy>/<name>`, numbers only (a mixed pool's `by_env` as `by_env/<env>`).
+
+    >>> held_out_logs({"before": {"greedy": {"success": 0.5, "by_env": {"shop": 1.0}}}, "model": "tiny"})
+    {'held_out/before/greedy/success': 0.5, 'held_out/before/greedy/by_env/shop': 1.0}
+    """
+    logs = {}
+    for when in ("before", "after"):
+        for mode, numbers in summary.get(when, {}).items():
+            for name, value in numbers.items():
+                if isinstance(value, dict):
+                    logs.update({f"held_out/{when}/{mode}/{name}/{k}": float(v) for k, v in value.items()})
+                else:
+                    logs[f"held_out/{when}/{mode}/{name}"] = float(value)
+    return logs
+
+
 def held_out(model, tokenizer, sources: Sources, run: RunArguments, config) -> dict:
     """`{"sampled": ..., "greedy": ...}`: the held-out rows played with the config's sampling settings (eval_samples
-    episodes per task with an environment) and greedily; the dictionaries `evaluate` / `evaluate_prompts` return."""
+    episodes per task, or completions per prompt of a dataset) and greedily; the dictionaries `evaluate` /
+    `evaluate_prompts` return."""
     if sources.environment is None:
         kw = dict(
             max_new_tokens=config.max_completion_length,
@@ -32,8 +51,11 @@ def held_out(model, tokenizer, sources: Sources, run: RunArguments, config) -> d
         )
         tasks = sources.eval_rows
         sampling = prompt_sampling(config)
+        kw["success_threshold"] = run.success_threshold
         return {
-            "sampled": evaluate_prompts(model, tokenizer, tasks, sources.reward_funcs, **sampling, **kw),
+            "sampled": evaluate_prompts(
+                model, tokenizer, tasks, sources.reward_funcs, **sampling, samples=run.eval_samples, **kw
+            ),
             "greedy": evaluate_prompts(model, tokenizer, tasks, sources.reward_funcs, greedy=True, **kw),
         }
     factory = partial(sources.environment.factory, {})

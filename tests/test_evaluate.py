@@ -77,8 +77,9 @@ def test_evaluate_counts_success_reward_and_pass_k(tiny_model, tiny_tokenizer, m
     #   t0 misses apple on turn 0 -> (2, no), (2, no)      t1 first word cloud -> (3, yes), (2, no)
     #   t2 first word delta -> (3, yes), (2, no)           t3 misses apple on turn 2 -> (2, no), (2, no)
     #   t4 -> (3, yes), (3, yes)
-    # success 4/10; pass^2 counts tasks solved in both episodes: t4 only, 1/5; reward (4+5+5+4+6)/10 = 2.4
-    assert sampled == pytest.approx({"success": 0.4, "reward": 2.4, "pass^2": 0.2, "turns": 3.0})
+    # success 4/10; pass^2 counts tasks solved in both episodes: t4 only, 1/5; pass@2 those solved in at least one:
+    # t1, t2, t4, 3/5; reward (4+5+5+4+6)/10 = 2.4
+    assert sampled == pytest.approx({"success": 0.4, "reward": 2.4, "pass^2": 0.2, "pass@2": 0.6, "turns": 3.0})
     # Greedy misses river: t0 (hits 2) and t2 (hits 2) fail, t1, t3, t4 succeed (3 each):
     # success 3/5, pass^1 = success, reward (2+3+2+3+3)/5 = 2.6
     assert greedy == pytest.approx({"success": 0.6, "reward": 2.6, "pass^1": 0.6, "turns": 3.0})

@@ -115,7 +115,7 @@ def test_a_trained_run_evaluated_through_the_command(trained_run):
     assert written["versions"]["trl"] == "1.16.0" and written["run"]["num_eval_tasks"] == 6
     assert (out / "evaluation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sampled, greedy = written["sampled"], written["greedy"]
-    assert set(sampled) == {"success", "reward", "pass^4", "turns", "pass@k", "pass^k", "tasks", "episodes"}
+    assert set(sampled) == {"success", "reward", "pass^4", "pass@4", "turns", "pass@k", "pass^k", "tasks", "episodes"}
     assert sampled["tasks"] == 6 and sampled["episodes"] == 24 and greedy["episodes"] == 6
     at, hat = list(sampled["pass@k"].values()), list(sampled["pass^k"].values())
     assert at[0] == pytest.approx(sampled["success"]) == hat[0]  # pass@1 = pass^1 = sampled success

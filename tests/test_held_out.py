@@ -12,7 +12,7 @@ from trainers.agent_loop import LoopSettings
 
 CONFIG = SimpleNamespace(max_completion_length=96, max_turn_tokens=24, max_turns=3, reward_weights=[1.0, 0.5],
                          temperature=0.7, top_p=0.9, top_k=None)  # fmt: skip
-RUN = SimpleNamespace(eval_batch_size=5, eval_samples=4)
+RUN = SimpleNamespace(eval_batch_size=5, eval_samples=4, success_threshold=None)
 
 
 @pytest.fixture
@@ -36,12 +36,12 @@ def test_a_dataset_is_scored_by_its_reward_functions(calls):
     rows, funcs = [{"prompt": "1+1=", "answer": "2"}], [len]
     sources = SimpleNamespace(environment=None, eval_rows=rows, reward_funcs=funcs)
     assert held_out("model", "tokenizer", sources, RUN, CONFIG) == {"sampled": "sampled", "greedy": "greedy"}
-    shared = {"max_new_tokens": 96, "batch_size": 5, "reward_weights": [1.0, 0.5]}
+    shared = {"max_new_tokens": 96, "batch_size": 5, "reward_weights": [1.0, 0.5], "success_threshold": None}
     sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": 0}  # top_k None -> 0 (no top-k)
     assert calls == [
-        ("evaluate_prompts", ("model", "tokenizer", rows, funcs), {**sampling, **shared}),
+        ("evaluate_prompts", ("model", "tokenizer", rows, funcs), {**sampling, "samples": 4, **shared}),
         ("evaluate_prompts", ("model", "tokenizer", rows, funcs), {"greedy": True, **shared}),
-    ]  # eval_samples is for episodes only
+    ]  # eval_samples completions per prompt when sampled, one greedy
 
 
 def test_an_environment_plays_eval_samples_episodes_a_task(calls):

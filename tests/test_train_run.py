@@ -46,10 +46,11 @@ def test_train_main_writes_summary_curves_and_model(tmp_path, monkeypatch):
     assert written["before"] == summary["before"] and written["after"] == summary["after"]
     for when in ("before", "after"):
         sampled, greedy = written[when]["sampled"], written[when]["greedy"]
-        assert set(sampled) == {"success", "reward", "pass^2", "turns"}  # 2 sampled episodes per task
+        assert set(sampled) == {"success", "reward", "pass^2", "pass@2", "turns"}  # 2 sampled episodes per task
         assert set(greedy) == {"success", "reward", "pass^1", "turns"}  # greedy: one episode per task
-        # 3 tasks x 2 episodes: success is a multiple of 1/6; pass^2 <= success; greedy pass^1 is its success
-        assert 0.0 <= sampled["pass^2"] <= sampled["success"] <= 1.0 and greedy["pass^1"] == greedy["success"]
+        # 3 tasks x 2 episodes: success is a multiple of 1/6; pass^2 <= success <= pass@2; greedy pass^1 = success
+        assert 0.0 <= sampled["pass^2"] <= sampled["success"] <= sampled["pass@2"] <= 1.0
+        assert greedy["pass^1"] == greedy["success"]
         assert abs(sampled["success"] * 6 - round(sampled["success"] * 6)) < 1e-9
         assert 1.0 <= sampled["turns"] <= 2.0 and 1.0 <= greedy["turns"] <= 2.0  # max_turns 2
     # one generation batch of 4 rollouts (2 tasks x 2) per optimizer step: 4 rows x 1 step per batch

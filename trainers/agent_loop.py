@@ -711,6 +711,8 @@ def evaluation_metrics(rollouts: list[Rollout], tasks: list[dict], samples: int)
         f"pass^{samples}": successes.min(dim=1).values.mean().item(),
         "turns": sum(len(r.turn_rewards) for r in rollouts) / len(rollouts),
     }
+    if samples > 1:  # tasks solved in at least one of their episodes
+        out[f"pass@{samples}"] = successes.max(dim=1).values.mean().item()
     envs = [str(t.get("env")) for t in tasks] if all(isinstance(t, dict) and t.get("env") for t in tasks) else []
     if len(set(envs)) > 1:  # a mixed pool: success per environment too
         out["by_env"] = {
@@ -805,10 +807,15 @@ def score_prompts(
     return all_texts, torch.cat(scores).to(torch.float64)  # (N * samples, F)
 
 
-def prompt_outcomes(scores: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per completion, from its scores (N, F) and the reward weights (F,): success (N,), every function returned a
-    positive value (a None fails), and the weighted reward (N,), a None counting 0."""
-    return (scores > 0).all(dim=1), (scores.nan_to_num(0.0) * weights).sum(dim=1)
+def prompt_outcomes(
+    scores: torch.Tensor, weights: torch.Tensor, threshold: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per completion, from its scores (N, F) and the reward weights (F,): success (N,) and the weighted reward (N,),
+    a None counting 0. Success: the weighted reward is at least `threshold`, or with `threshold` None every function
+    returned a positive value (a None fails)."""
+    reward = (scores.nan_to_num(0.0) * weights).sum(dim=1)  # (N,)
+    success = (scores > 0).all(dim=1) if threshold is None else reward >= threshold
+    return success, reward
 
 
 def evaluate_prompts(
@@ -825,26 +832,40 @@ def evaluate_prompts(
     batch_size: int = 64,
     progress: bool = True,
     samples: int = 1,
+    success_threshold: float | None = None,
 ) -> dict[str, float]:
     """Held-out score of a single-turn dataset: `samples` completions per row (`score_prompts`), averaged over all.
 
     Returns `reward` (the `reward_weights`-weighted sum, mean over completions; a function's None counts as 0),
     `rewards/<name>` (each function's mean over the completions it scored), and `success`: the fraction of
-    completions on which every function returned a positive value (for a 0/1 exact-match reward, the accuracy)."""
+    completions that succeed (`prompt_outcomes`: by default every function returned a positive value, for a 0/1
+    exact-match reward the accuracy; with `success_threshold` the weighted reward is at least it); with `samples` > 1
+    also `pass@<samples>` and `pass^<samples>` (rows solved by at least one, and by all, of their completions)."""
     weights = torch.tensor(list(reward_weights) if reward_weights else [1.0] * len(reward_funcs), dtype=torch.float64)
     if len(weights) != len(reward_funcs):
         raise ValueError(f"{len(reward_funcs)} reward functions but {len(weights)} reward_weights")
     kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, batch_size=batch_size)
     kw.update(samples=samples, progress=progress)
     _, scores = score_prompts(model, tokenizer, rows, reward_funcs, max_new_tokens, **kw)  # (N * samples, F)
-    return prompt_metrics(scores, weights, reward_funcs)
+    return prompt_metrics(scores, weights, reward_funcs, samples, success_threshold)
 
 
-def prompt_metrics(scores: torch.Tensor, weights: torch.Tensor, reward_funcs: Sequence[Callable]) -> dict[str, float]:
-    """What `evaluate_prompts` reports of the scores (N, F) of N completions: success and reward (`prompt_outcomes`,
-    mean over completions) and `rewards/<name>`, each function's mean over the completions it scored."""
-    success, reward = prompt_outcomes(scores, weights)  # (N,), (N,)
+def prompt_metrics(
+    scores: torch.Tensor,
+    weights: torch.Tensor,
+    reward_funcs: Sequence[Callable],
+    samples: int = 1,
+    success_threshold: float | None = None,
+) -> dict[str, float]:
+    """What `evaluate_prompts` reports of the scores (N, F) of N completions (row-major, `samples` per row): success
+    and reward (`prompt_outcomes`, mean over completions), with `samples` > 1 pass@ and pass^ over each row's
+    completions, and `rewards/<name>`, each function's mean over the completions it scored."""
+    success, reward = prompt_outcomes(scores, weights, success_threshold)  # (N,), (N,)
     out = {"success": success.double().mean().item(), "reward": reward.mean().item()}
+    if samples > 1:
+        per_row = success.double().view(-1, samples)  # (rows, samples)
+        out[f"pass@{samples}"] = per_row.max(dim=1).values.mean().item()
+        out[f"pass^{samples}"] = per_row.min(dim=1).values.mean().item()
     for i, func in enumerate(reward_funcs):
         column = scores[:, i]
         name = getattr(func, "__name__", f"reward_{i}")
