@@ -119,9 +119,11 @@ def main(argv: list[str] | None = None) -> dict:
         quantization_config=quantization,
         **({"env_factory": env.factory} if env is not None else {}),
     )
-    summary["parameters"] = count_parameters(trainer.model)
+    summary["parameters"] = p = count_parameters(trainer.model)
+    if quantization is not None:
+        bits = "4-bit " + model_args.bnb_4bit_quant_type if model_args.load_in_4bit else "8-bit"
+        print(f"quantized to {bits} with bitsandbytes: {p['quantized']:,} of {p['total']:,} parameters")
     if model_args.use_peft or quantization is not None:
-        p = summary["parameters"]
         print(f"trainable parameters: {p['trainable']:,} of {p['total']:,} ({100 * p['trainable'] / p['total']:.2f}%)")
     if checkpoint is not None:
         print(f"resuming from {checkpoint}")

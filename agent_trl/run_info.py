@@ -4,6 +4,7 @@ summary.json records about the run: LoRA / quantization settings, package versio
 from __future__ import annotations
 
 import json
+import math
 
 from agent_trl.arguments import RunArguments
 from agent_trl.sources import Sources
@@ -96,8 +97,18 @@ def versions() -> dict:
     return out
 
 
+def parameter_count(p) -> int:
+    """The parameters a tensor holds: a bitsandbytes 4-bit weight packs two into each stored byte (its `numel` is
+    half the layer's), and its `quant_state.shape` is the layer's own shape."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else p.numel()
+
+
 def count_parameters(model) -> dict:
-    """Trainable and total parameters of `model` (with LoRA, trainable counts only the adapters)."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    return {"trainable": trainable, "total": total}
+    """Trainable and total parameters of `model` (with LoRA, trainable counts only the adapters), and how many of
+    them are stored quantized (bitsandbytes 4-bit or 8-bit weights; 0 without quantization)."""
+    params = list(model.parameters())
+    trainable = sum(parameter_count(p) for p in params if p.requires_grad)
+    total = sum(parameter_count(p) for p in params)
+    quantized = sum(parameter_count(p) for p in params if type(p).__name__ in ("Params4bit", "Int8Params"))
+    return {"trainable": trainable, "total": total, "quantized": quantized}

@@ -105,6 +105,41 @@ def test_versions_names_every_runtime_package(monkeypatch):
 
 def test_count_parameters():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))  # (3x2 + 2) + (2x1 + 1) = 11
-    assert count_parameters(model) == {"trainable": 11, "total": 11}
+    assert count_parameters(model) == {"trainable": 11, "total": 11, "quantized": 0}
     model[0].weight.requires_grad_(False)  # 6 frozen
-    assert count_parameters(model) == {"trainable": 5, "total": 11}
+    assert count_parameters(model) == {"trainable": 5, "total": 11, "quantized": 0}
+
+
+def test_a_4bit_model_counts_its_layers_not_its_packed_bytes(tiny_model_folder):
+    """Issue 39: QLoRA counted the packed 4-bit storage (two parameters a byte) as the total. Loaded in 4 bits on
+    the CPU (bitsandbytes), the tiny model counts what it counts unquantized, and its linear layers as quantized."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    full = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    packed = AutoModelForCausalLM.from_pretrained(
+        tiny_model_folder, quantization_config=quantization, device_map="cpu", dtype=torch.float32
+    )
+    total = sum(p.numel() for p in full.parameters())
+    layers = [m for m in full.model.layers.modules() if isinstance(m, torch.nn.Linear)]  # what bitsandbytes packs
+    assert sum(p.numel() for p in packed.parameters()) < total  # the storage: half of each packed weight
+    counted = count_parameters(packed)
+    assert counted["total"] == total
+    assert counted["quantized"] == sum(m.weight.numel() for m in layers) > 0
+
+
+def test_a_qlora_run_says_it_quantized(tmp_path, monkeypatch, capsys):
+    """Issue 39: a QLoRA run prints that it quantized (bits, type, how many parameters) and counts the real total."""
+    import train
+
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
+    argv = ["--environment", "shop", "--model_name_or_path", "tiny:shop", "--use_peft", "--lora_r", "4"]
+    argv += ["--lora_target_modules", "all-linear", "--load_in_4bit", "--skip_eval", "true", "--max_steps", "1"]
+    argv += ["--num_train_tasks", "8", "--per_device_train_batch_size", "4", "--num_generations", "2"]
+    argv += ["--max_turn_tokens", "4", "--max_completion_length", "32", "--output_dir", str(tmp_path / "run")]
+    argv += ["--use_cpu", "true", "--report_to", "none", "--save_strategy", "no"]
+    summary = train.main(argv)
+    out = capsys.readouterr().out
+    p = summary["parameters"]
+    assert f"quantized to 4-bit nf4 with bitsandbytes: {p['quantized']:,} of {p['total']:,} parameters" in out
+    assert 0 < p["trainable"] < p["quantized"] < p["total"]
