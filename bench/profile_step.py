@@ -2,6 +2,7 @@
 backward, the optimizer, and everything else (framework overhead), per method, on the same setup.
 
     python bench/profile_step.py --steps 10 --model tiny:shop --methods grpo ppo mpo [--beta 0.0 0.02]
+    python bench/profile_step.py --steps 5 --model tiny:shop --methods grpo --beta 0.02 --torch_compile
 
 Each method trains `--steps` optimizer steps (after one untimed warm-up step) with the shop recipe's batch layout
 (64 rollouts per step: 8 tasks x G 8, 24 tokens per turn, 256 per episode), each `--beta` (the KL weight to the
@@ -24,6 +25,11 @@ inside it):
 Model compute is generation + no-grad forwards + loss forward + backward + optimizer; the goal is "other" plus
 "agent loop, other" plus rewards at most 5% of a step. Writes bench/results/profile_step/result.json and result.md
 (or `--out`).
+
+`--torch_compile` adds a row per method and beta with TrainingArguments' `torch_compile: true` (docs/methods/grpo.md
+D16): accelerate compiles the policy (the loss's forward and backward, and the agent loop's decode loop, which
+samples with the compiled module) and the reference model. Every row also records its warm-up step's time
+(`first_step_seconds`, where compilation happens) and, compiled, dynamo's counts of graphs, frames and graph breaks.
 """
 
 from __future__ import annotations
@@ -148,7 +154,7 @@ def agent_loop_timers(prof: Profiler):
         agent_loop.play, agent_loop.reset_all, agent_loop.step_all, agent_loop.hf_generate = saved
 
 
-def profile(method: str, beta: float, folder: str, opts: argparse.Namespace, workdir: str) -> dict:
+def profile(method: str, beta: float, folder: str, opts: argparse.Namespace, workdir: str, compile_: bool) -> dict:
     trainer_cls, config_cls = TRAINERS[method]
     source = load_environment(opts.env, {}, 0)
     config = config_cls(
@@ -157,7 +163,7 @@ def profile(method: str, beta: float, folder: str, opts: argparse.Namespace, wor
         max_turn_tokens=opts.max_turn_tokens, max_steps=opts.steps + 1, learning_rate=0.0,
         lr_scheduler_type="constant", loss_type="grpo", report_to="none", seed=0, bf16=False,
         use_cpu=not torch.cuda.is_available(), activation_checkpointing=False, save_strategy="no",
-        logging_strategy="no", disable_tqdm=True,
+        logging_strategy="no", disable_tqdm=True, torch_compile=compile_,
     )  # fmt: skip
     trainer = trainer_cls(
         model=folder, args=config, processing_class=AutoTokenizer.from_pretrained(folder, padding_side="left"),
@@ -168,6 +174,9 @@ def profile(method: str, beta: float, folder: str, opts: argparse.Namespace, wor
     instrument(trainer, prof)
 
     class Window(TrainerCallback):  # the first step is a warm-up: time from the end of step 1 on
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.begin = time.perf_counter()
+
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
                 prof.total.clear()
@@ -179,12 +188,23 @@ def profile(method: str, beta: float, folder: str, opts: argparse.Namespace, wor
     window = Window()
     trainer.add_callback(window)
     torch.manual_seed(0)
+    torch._dynamo.reset()  # each compiled row compiles from scratch (in this process; inductor's disk cache aside)
+    torch._dynamo.utils.counters.clear()
     with agent_loop_timers(prof):
         trainer.train()
     total = (window.end - window.start) / opts.steps
     parts = {name: prof.total.get(name, 0.0) / opts.steps for name in PARTS}
     parts["other"] = max(0.0, total - sum(parts.values()))
-    return {"seconds_per_step": total, "parts": parts}
+    out = {"seconds_per_step": total, "parts": parts, "first_step_seconds": window.start - window.begin}
+    if compile_:
+        counters = torch._dynamo.utils.counters
+        out["dynamo"] = {
+            "unique_graphs": counters["stats"]["unique_graphs"],  # one per compiled frame and guard set
+            "frames": dict(counters["frames"]),  # frames dynamo was asked to compile ("total") and did ("ok")
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graph_break_reasons": sorted(counters["graph_break"])[:10],
+        }
+    return out
 
 
 def report(results: dict, opts: argparse.Namespace) -> str:
@@ -192,15 +212,21 @@ def report(results: dict, opts: argparse.Namespace) -> str:
     lines = [
         f"{opts.steps} steps after a warm-up on {opts.env}, model {opts.model}, {opts.batch_size} rollouts per step "
         f"(G {opts.num_generations}), frozen policy, {torch.get_num_threads()} torch thread(s); share of a step\n",
-        "| method | s/step | " + " | ".join(names) + " | model compute | outside model and environment |",
-        "| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: |",
+        "| method | s/step | " + " | ".join(names) + " | model compute | outside model and env. | warm-up (s) |",
+        "| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: |",
     ]
     for method, r in results.items():
         s, p = r["seconds_per_step"], r["parts"]
         compute = sum(p[n] for n in MODEL_COMPUTE)
         outside = s - compute - p["environment"]
         row = f"| {method} | {s:.3f} | " + " | ".join(f"{100 * p[n] / s:.1f}%" for n in names)
-        lines.append(row + f" | {100 * compute / s:.1f}% | {100 * outside / s:.1f}% |")
+        lines.append(row + f" | {100 * compute / s:.1f}% | {100 * outside / s:.1f}% | {r['first_step_seconds']:.1f} |")
+    for method, r in results.items():
+        if "dynamo" in r:
+            d = r["dynamo"]
+            lines.append(
+                f"\n{method}: {d['unique_graphs']} graphs compiled ({d['frames']}), {d['graph_breaks']} graph breaks"
+            )
     return "\n".join(lines)
 
 
@@ -215,14 +241,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max_turn_tokens", type=int, default=24)
     parser.add_argument("--methods", nargs="+", default=["grpo", "ppo", "mpo"], choices=sorted(TRAINERS))
     parser.add_argument("--beta", type=float, nargs="+", default=[0.0], help="KL weights, one row each")
+    parser.add_argument(
+        "--torch_compile", action="store_true", help="also a row per method and beta with torch_compile: true (D16)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "profile_step")
     opts = parser.parse_args(argv)
     folder = tiny_model(opts.model) if is_tiny(opts.model) else opts.model
     with tempfile.TemporaryDirectory() as workdir:
         results = {
-            m if beta == 0 else f"{m}, beta {beta:g}": profile(m, beta, folder, opts, workdir)
+            (m if beta == 0 else f"{m}, beta {beta:g}") + (", compiled" if compile_ else ""): profile(
+                m, beta, folder, opts, workdir, compile_
+            )
             for m in opts.methods
             for beta in opts.beta
+            for compile_ in ([False, True] if opts.torch_compile else [False])
         }
     text = report(results, opts)
     print("\n" + text)

@@ -349,6 +349,12 @@ class GrowingLayer(DynamicLayer):
         self.full[1][rows, :, span] = self.value_buffer[:, :, span]
         self.synced = self.length
 
+    def get_seq_length(self) -> int:
+        """The cached positions: `length`, a plain int, where `DynamicLayer` reads the keys' shape. The two agree; the
+        int keeps a compiled forward (torch_compile, docs/methods/grpo.md D16) from taking the key view and its buffer
+        as two aliased graph inputs, which inductor cannot compile with dynamic shapes."""
+        return self.length if self.is_initialized else 0
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0 and self.is_initialized and self.length:
             self.length = max(0, self.length + tokens_to_remove)
