@@ -309,14 +309,14 @@ class AgentGRPOConfig(GRPOConfig):
 
 
 def bf16_available(use_cpu: bool) -> bool:
-    """Whether a run with `bf16` left unset trains in bfloat16: TRL's default (True) where a GPU that supports it
-    will run the model, float32 on a CPU (`use_cpu`, or no accelerator), where transformers refuses bf16 mixed
-    precision."""
+    """Whether a run with `bf16` left unset trains in bfloat16: TRL's default (True) where transformers accepts bf16
+    mixed precision on an accelerator (its own test: a GPU that supports bfloat16, or XLA), float32 on a CPU
+    (`use_cpu`, or no such accelerator), where TRL's default would stop the run."""
+    from transformers import training_args  # its names, looked up at call time (as TrainingArguments does)
+
     if use_cpu:
         return False
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    return hasattr(torch, "xpu") and torch.xpu.is_available()
+    return bool(training_args.is_torch_bf16_gpu_available() or training_args.is_torch_xla_available())
 
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")  # TRL 1.16's GRPO losses
