@@ -40,10 +40,14 @@ def default_of(f: dataclasses.Field) -> str:
     return "required"
 
 
-def table(fields: list[dataclasses.Field]) -> list[str]:
+def table(fields: list[dataclasses.Field], cls: type) -> list[str]:
+    """The fields' rows. Each type is the annotation as `cls` declares it, not `Field.type`, which TRL's argument
+    parser rewrites in place (`int | None` becomes `int`) once it has parsed the class."""
     rows = ["| field | type | default | help |", "|---|---|---|---|"]
+    annotations = cls.__dict__.get("__annotations__", {})
     for f in fields:  # a string under `from __future__ import annotations`; a type where fields are built in code
-        kind = f.type if isinstance(f.type, str) else inspect.formatannotation(f.type)
+        declared = annotations.get(f.name, f.type)
+        kind = declared if isinstance(declared, str) else inspect.formatannotation(declared)
         help_text = cell(f.metadata.get("help", ""))
         rows.append(f"| `{f.name}` | {cell(kind)} | {cell(default_of(f))} | {help_text} |")
     return rows
@@ -65,7 +69,7 @@ def render() -> str:
         f"`{RunArguments.__module__}.{RunArguments.__name__}`: what to train on, how many tasks, the held-out "
         "evaluation.",
         "",
-        *table(declared_fields(RunArguments)),
+        *table(declared_fields(RunArguments), RunArguments),
         "",
         "## Base trainer",
         "",
@@ -73,7 +77,7 @@ def render() -> str:
         "it declares. TRL's own (`learning_rate`, `num_generations`, `beta`, `loss_type`, `max_completion_length`, "
         f"...) are documented with TRL: <{TRL_GRPO_CONFIG}>.",
         "",
-        *table(declared_fields(AgentGRPOConfig)),
+        *table(declared_fields(AgentGRPOConfig), AgentGRPOConfig),
         "",
         "## Methods",
         "",
@@ -89,7 +93,7 @@ def render() -> str:
         about += f"; [{page}]({page})." if (PAGE.parent / page).exists() else "."
         lines.append(about)
         fields = declared_fields(config) if config is not AgentGRPOConfig else []
-        lines += ["", *table(fields)] if fields else ["", "No fields beyond the base trainer's."]
+        lines += ["", *table(fields, config)] if fields else ["", "No fields beyond the base trainer's."]
     return "\n".join(lines) + "\n"
 
 

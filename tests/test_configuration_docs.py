@@ -29,3 +29,14 @@ def test_declared_fields_are_the_class_bodys_own():
     assert "num_generations" in ppo and "max_turns" not in ppo
     assert "learning_rate" not in [f.name for f in declared_fields(AgentGRPOConfig)]
     assert "| `max_turns` |" in render()
+
+
+def test_the_page_does_not_change_once_the_parser_has_read_the_classes():
+    """TRL's parser rewrites `Field.type` of the classes it parses (`int | None` -> `int`); the page shows the
+    types as declared, whatever ran before it (train.py's parser, in the same process)."""
+    import train
+
+    before = render()
+    train.parse(["--environment", "shop", "--model_name_or_path", "tiny:shop", "--output_dir", "/tmp/unused"])
+    assert render() == before
+    assert "| `environment` | str \\| None |" in before
