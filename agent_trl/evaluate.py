@@ -47,6 +47,7 @@ import train  # noqa: E402
 from agent_trl.config_file import join_negative_numbers  # noqa: E402
 from agent_trl.evaluation import loop_settings, prompt_sampling  # noqa: E402
 from agent_trl.preflight import model_problem  # noqa: E402
+from agent_trl.resume import checkpoints  # noqa: E402
 from agent_trl.run_info import resolve_model, versions  # noqa: E402
 from agent_trl.sources import Sources, load_sources  # noqa: E402
 from envs.tiny import is_tiny  # noqa: E402
@@ -165,10 +166,8 @@ def check_model(name: str) -> str | None:
     if os.path.isfile(os.path.join(path, "config.json")):
         read_json(os.path.join(path, "config.json"), name)
         return None
-    checkpoints = sorted(
-        (d for d in os.listdir(path) if re.fullmatch(r"checkpoint-\d+", d)), key=lambda d: int(d[11:])
-    )
-    hint = f"; it holds checkpoints: give one, e.g. {os.path.join(name, checkpoints[-1])}" if checkpoints else ""
+    found = checkpoints(path)
+    hint = f"; it holds checkpoints: give one, e.g. {os.path.join(name, os.path.basename(found[-1]))}" if found else ""
     raise SystemExit(f"error: model folder {name!r} has no config.json or adapter_config.json (no saved model){hint}")
 
 

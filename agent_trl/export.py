@@ -70,6 +70,8 @@ def has_weights(folder: Path) -> bool:
 
 def locate(path: str) -> tuple[Path, str, Path | None]:
     """(the folder holding the model, "adapter" or "model", summary.json or None) of `--model`."""
+    from agent_trl.resume import checkpoints
+
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise fail(f"--model {path!r} is not a folder (a run's output_dir, a checkpoint, an adapter or a model)")
@@ -78,13 +80,10 @@ def locate(path: str) -> tuple[Path, str, Path | None]:
     elif (folder / "config.json").is_file() and has_weights(folder):
         kind = "model"
     else:
-        checkpoints = sorted(
-            (p for p in folder.glob("checkpoint-*") if p.name[11:].isdigit()), key=lambda p: int(p.name[11:])
-        )
-        if checkpoints:  # a run stopped before its final save
+        if found := checkpoints(str(folder)):  # a run stopped before its final save
             raise fail(
                 f"--model {path!r} holds no saved model (no config.json with weights, no adapter_config.json), only "
-                f"checkpoints; export one of them, e.g. --model {checkpoints[-1]}"
+                f"checkpoints; export one of them, e.g. --model {found[-1]}"
             )
         raise fail(
             f"--model {path!r} is not a model, adapter or run folder: it has no adapter_config.json and no "

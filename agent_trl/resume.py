@@ -15,6 +15,18 @@ from transformers import TrainerCallback
 logger = logging.getLogger(__name__)
 
 
+def checkpoints(folder: str) -> list[str]:
+    """The `checkpoint-N` folders in `folder` (a run's output_dir), by N; none when `folder` is not a folder."""
+    if not os.path.isdir(folder):
+        return []
+    found = [
+        (int(entry[11:]), os.path.join(folder, entry))
+        for entry in os.listdir(folder)
+        if entry.startswith("checkpoint-") and entry[11:].isdigit() and os.path.isdir(os.path.join(folder, entry))
+    ]
+    return [path for _, path in sorted(found)]
+
+
 def resume_checkpoint(config) -> str | None:
     """The checkpoint folder `resume_from_checkpoint` names, checked before any model is loaded (None: a fresh run).
 
@@ -35,15 +47,10 @@ def resume_checkpoint(config) -> str | None:
     if value in (None, False, ""):
         return None
     if str(value).lower() == "true":
-        found = []
-        if os.path.isdir(config.output_dir):
-            for entry in os.listdir(config.output_dir):
-                path = os.path.join(config.output_dir, entry)
-                if entry.startswith("checkpoint-") and entry[11:].isdigit() and os.path.isdir(path):
-                    found.append((int(entry[11:]), path))
-        complete = [(n, p) for n, p in sorted(found) if checkpoint_complete(p)]
-        for n, path in sorted(found):
-            if (n, path) not in complete:
+        found = checkpoints(config.output_dir)
+        complete = [p for p in found if checkpoint_complete(p)]
+        for path in found:
+            if path not in complete:
                 logger.warning(
                     "resume_from_checkpoint: skipping %s, an incomplete checkpoint (no readable trainer_state.json)",
                     path,
@@ -53,7 +60,7 @@ def resume_checkpoint(config) -> str | None:
                 f"error: resume_from_checkpoint true, but output_dir {config.output_dir!r} holds no complete "
                 "checkpoint-N folder"
             )
-        return complete[-1][1]
+        return complete[-1]
     path = os.path.expanduser(str(value))
     if not os.path.isdir(path):
         raise SystemExit(f"error: resume_from_checkpoint {value!r} is not a folder")

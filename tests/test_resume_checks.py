@@ -155,3 +155,13 @@ def test_close_process_group_waits_for_every_rank_then_destroys(monkeypatch, ini
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: seen.append("destroy"))
     close_process_group()
     assert seen == calls
+
+
+def test_checkpoints_are_the_numbered_folders_in_order(tmp_path):
+    from agent_trl.resume import checkpoints
+
+    for name in ("checkpoint-10", "checkpoint-2", "checkpoint-x", "other"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "checkpoint-3").write_text("a file, not a checkpoint")
+    assert checkpoints(str(tmp_path)) == [str(tmp_path / "checkpoint-2"), str(tmp_path / "checkpoint-10")]
+    assert checkpoints(str(tmp_path / "missing")) == []
