@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = trainer.accelerator.unwrap_model(trainer.model)
         summary["after"] = held_out(model, tokenizer, sources, run, config)
         print(f"held-out success after RL: {json.dumps(summary['after'])}")
-    if config.report_to and held_out_logs(summary):  # the trackers get the held-out numbers at the last step,
-        logs = {f"eval_{k}": v for k, v in held_out_logs(summary).items()}  # shown as eval/held_out/... (rewrite_logs)
+    if config.report_to and (logs := held_out_logs(summary)):  # the trackers get them at the last step, shown as
+        logs = {f"eval_{k}": v for k, v in logs.items()}  # eval/held_out/... (transformers' rewrite_logs)
         trainer.callback_handler.on_log(config, trainer.state, trainer.control, logs)
     summary["wall_seconds"] = round(time.time() - start, 1)
     # new rollouts per optimizer step: one generation batch feeds num_iterations x (steps_per_generation / GA) steps
