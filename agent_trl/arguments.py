@@ -86,6 +86,15 @@ class RunArguments:
             "(self-distillation methods; default 0: the standard build)."
         },
     )
+    tiny_guidance_frac: float | None = field(
+        default=None,
+        metadata={
+            "help": "Share of the tiny default's demonstrations that follow the expert without noise under a system "
+            "message of guidance (the expert's plan, the environment's skill card, or TASPO's oracle rules), so that "
+            "a teacher pass with such a block prefers the expert's actions (TASPO, AlignOPSD; default 0: the "
+            "standard build)."
+        },
+    )
     tiny_num_demos: int | None = field(
         default=None, metadata={"help": "Demonstrations the tiny default is warm-started on (default: 2000)."}
     )

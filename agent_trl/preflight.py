@@ -37,6 +37,7 @@ def check_run(run: RunArguments, config, model_args) -> None:
             ("tiny_sft_steps", run.tiny_sft_steps, 0),
             ("tiny_num_demos", run.tiny_num_demos, 1),
             ("tiny_privileged_frac", run.tiny_privileged_frac, 0),
+            ("tiny_guidance_frac", run.tiny_guidance_frac, 0),
         ]
         if value is not None and value < low
     ]
@@ -46,8 +47,15 @@ def check_run(run: RunArguments, config, model_args) -> None:
     ]:
         if value is not None and value > most:
             problems.append(f"{name} {value:,} is more than the {most:,} a run generates; give a smaller number")
-    if run.tiny_privileged_frac is not None and run.tiny_privileged_frac > 1:
-        problems.append(f"tiny_privileged_frac must be in [0, 1], got {run.tiny_privileged_frac}")
+    for name in ("tiny_privileged_frac", "tiny_guidance_frac"):
+        if (value := getattr(run, name)) is not None and value > 1:
+            problems.append(f"{name} must be in [0, 1], got {value}")
+    shares = (run.tiny_privileged_frac, run.tiny_guidance_frac)
+    if None not in shares and all(0 <= x <= 1 for x in shares) and sum(shares) > 1:
+        problems.append(
+            f"tiny_privileged_frac + tiny_guidance_frac must be at most 1, got {run.tiny_privileged_frac} + "
+            f"{run.tiny_guidance_frac}"
+        )
     if config.max_steps == 0:
         problems.append("max_steps 0 trains nothing; give a positive number (or -1 to train by num_train_epochs)")
     if getattr(model_args, "use_peft", False) and model_args.lora_r < 1:

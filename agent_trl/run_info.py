@@ -26,8 +26,9 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
     if name == "tiny" and env is None:  # a tiny default for the dataset, warm-started on its answers
         sizes = {"sft_steps": run.tiny_sft_steps, "num_demos": run.tiny_num_demos}
         sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
-        if run.tiny_privileged_frac:
-            raise SystemExit("error: tiny_privileged_frac needs an environment (its privileged text); not a dataset")
+        for name in ("tiny_privileged_frac", "tiny_guidance_frac"):
+            if getattr(run, name):
+                raise SystemExit(f"error: {name} needs an environment (its expert and guidance); not a dataset")
         return tiny_dataset_model(list(sources.train), seed=run.tiny_seed, **sizes)
     if env is None and not target:
         raise SystemExit(
@@ -43,6 +44,7 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
         "sft_steps": run.tiny_sft_steps,
         "num_demos": run.tiny_num_demos,
         "privileged_frac": run.tiny_privileged_frac,
+        "guidance_frac": run.tiny_guidance_frac,
         "env_kwargs": json.dumps(settings, sort_keys=True) if settings and (own or is_adapter_spec(target)) else None,
         # your class without make_tasks: the expert plays the run's training rows (a dataset's)
         "tasks": [row_task(row) for row in sources.train] if own and sources.environment.make_tasks is None else None,

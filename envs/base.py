@@ -119,6 +119,20 @@ class Env:
         return None
 
 
+#: the line above an environment's `skill` text in a teacher's context: AlignOPSD's privileged block
+#: (docs/methods/alignopsd.md D6), and one of the tiny default's guidance forms (`envs.tiny`)
+SKILL_HEADER = "Privileged skill information (used in training only):"
+
+
+def skill_card(text: str) -> str:
+    """`text` under `SKILL_HEADER`, or "" for no text.
+
+    >>> skill_card(" Search first. ")
+    'Privileged skill information (used in training only):\nSearch first.'
+    """
+    return f"{SKILL_HEADER}\n{text.strip()}" if text.strip() else ""
+
+
 def noisy_expert_episode(env: Env, task: dict, noise: float, rng: random.Random) -> tuple[str, list[dict], bool]:
     """Play `env`'s expert on `task`, each turn taking `noisy_action` instead with probability `noise`.
 

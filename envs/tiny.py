@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from envs.base import Env, noisy_expert_episode
+from envs.base import Env, noisy_expert_episode, skill_card
 
 CHAT_TEMPLATE = (
     "{%- if tools %}"
@@ -104,6 +104,11 @@ class TinySpec:
     #: after a blank line) and whose actions follow it without noise: a model that can read a teacher's context
     #: (docs/methods/beta-opsd.md §4). Left out of the cache key while 0, so earlier builds keep their keys.
     privileged_frac: float = 0.0
+    #: share of demonstrations played without noise under a system message that guides them (`guidance_block`: the
+    #: expert's plan, the environment's skill card, or rules as TASPO's oracle analyzer writes them): a model whose
+    #: teacher pass, with that block in the system message, prefers the expert's actions (docs/methods/taspo.md,
+    #: alignopsd.md). Left out of the cache key while 0, so earlier builds keep their keys.
+    guidance_frac: float = 0.0
 
     #: the environment's settings (environment_kwargs) as sorted JSON, for an ecosystem environment whose tasks they
     #: define (`envs/adapters/`); left out of the cache key while empty, so earlier builds keep their keys
@@ -138,7 +143,7 @@ class TinySpec:
         """Hash of the settings, of the environment's `demo_version` (left out while 0, so keys made before it
         existed stay valid) and, for a class named by import path, of the file that defines it."""
         settings = asdict(self)
-        for optional in ("privileged_frac", "env_kwargs"):
+        for optional in ("privileged_frac", "guidance_frac", "env_kwargs"):
             if not settings[optional]:
                 del settings[optional]
         env_cls = self.env_class()
@@ -188,26 +193,67 @@ def cache_root() -> Path:
 
 
 def demonstrations(
-    env_cls: type[Env], n: int, seed: int, difficulty: int, noise: float, privileged_frac: float = 0.0
+    env_cls: type[Env],
+    n: int,
+    seed: int,
+    difficulty: int,
+    noise: float,
+    privileged_frac: float = 0.0,
+    guidance_frac: float = 0.0,
 ) -> list[list[dict]]:
     """`n` chat transcripts of the expert on training tasks; each turn is a `noisy_action` with probability `noise`.
     With `privileged_frac` > 0 that share of them (drawn with their own generator) shows the task's privileged text
-    after the first observation and follows it without noise."""
+    after the first observation and follows it without noise; with `guidance_frac` > 0 that share of the others
+    follows the expert without noise under a system message of guidance (`guidance_block`)."""
     tasks = env_cls.make_tasks("train", n, seed=seed, difficulty=difficulty)
-    return played_demonstrations(lambda task: env_cls(difficulty=difficulty), tasks, seed, noise, privileged_frac)
+    make_env = lambda task: env_cls(difficulty=difficulty)  # noqa: E731
+    return played_demonstrations(make_env, tasks, seed, noise, privileged_frac, guidance_frac)
+
+
+#: the kinds of guidance a guidance demonstration shows, one drawn per demonstration (`guidance_block`)
+GUIDANCE_FORMS = ("plan", "skill", "rules")
+
+
+def guidance_block(env: Env, first: str, transcript: list[dict], rng: random.Random) -> str:
+    """A system message for a demonstration of the expert that followed it, in one of the forms the teacher methods
+    put in their teacher's context (drawn from those the environment has): `plan`, the expert's actions in order as
+    `Env.privileged` writes them (β-OPSD, docs/methods/beta-opsd.md D8); `skill`, the environment's skill card as
+    AlignOPSD shows it (alignopsd.md D6); `rules`, TASPO's block as its oracle analyzer and `compose` write it
+    (taspo.md Eq. 6, D15), of a random part of the episode's turns (each kept with probability 3/4, at least one), as
+    TASPO's match keeps the items whose conditions a rollout's path shows. "" when the environment has none."""
+    from rewards.analyzer import compose, expert_items
+
+    turns = [(t["action"], t["observation"]) for t in transcript]
+    forms = [f for f in GUIDANCE_FORMS if f != "skill" or env.skill.strip()]
+    form = rng.choice(forms)
+    if form == "plan":
+        return "Plan: " + " | ".join(action.strip() for action, _ in turns)
+    if form == "skill":
+        return skill_card(env.skill)
+    items = expert_items(first, turns)
+    kept = [e for e in items if rng.random() < 0.75] or [rng.choice(items)]
+    return compose(kept, lambda text: 0)  # at most 12 short lines: no token cap (the tokenizer is not built yet)
 
 
 def played_demonstrations(
-    make_env: Callable[[dict], Env], tasks: list[dict], seed: int, noise: float, privileged_frac: float = 0.0
+    make_env: Callable[[dict], Env],
+    tasks: list[dict],
+    seed: int,
+    noise: float,
+    privileged_frac: float = 0.0,
+    guidance_frac: float = 0.0,
 ) -> list[list[dict]]:
     """`demonstrations` on given tasks, each played on `make_env(task)` (e.g. `EnvironmentSource.factory`)."""
-    rng, picks = random.Random(seed), random.Random(seed + 1)
+    rng, picks, guides = random.Random(seed), random.Random(seed + 1), random.Random(seed + 2)
     demos = []
     for task in tasks:
         env = make_env(task)
         block = env.privileged(task) if privileged_frac and picks.random() < privileged_frac else None
-        first, transcript, done = noisy_expert_episode(env, task, 0.0 if block else noise, rng)
-        messages = [{"role": "user", "content": f"{first}\n\n{block}" if block else first}]
+        guided = not block and bool(guidance_frac) and guides.random() < guidance_frac
+        first, transcript, done = noisy_expert_episode(env, task, 0.0 if block or guided else noise, rng)
+        system = guidance_block(env, first, transcript, guides) if guided and done and transcript else ""
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": f"{first}\n\n{block}" if block else first})
         for k, turn in enumerate(transcript):
             messages.append({"role": "assistant", "content": turn["action"]})
             if not (done and k == len(transcript) - 1):
@@ -429,7 +475,9 @@ def tiny_model(name: str, difficulty: int = 0, seed: int = 0, tasks: list[dict] 
     else:
         check = tasks[:20]
     check_played_expert(source.factory, check, name)
-    demos = played_demonstrations(source.factory, tasks, spec.seed, spec.noise, spec.privileged_frac)
+    demos = played_demonstrations(
+        source.factory, tasks, spec.seed, spec.noise, spec.privileged_frac, spec.guidance_frac
+    )
     # the role words are repeated so that each becomes one token (short sequences are fast sequences)
     texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
     tokenizer = build_tokenizer(texts, spec.vocab_size)

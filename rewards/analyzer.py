@@ -176,6 +176,33 @@ def _key(text: str) -> str:
     return " ".join(text.split())
 
 
+def _oracle_item(uid: str, seen: str, action: str) -> dict:
+    """An oracle item (taspo.md D15): after the (normalised) observation `seen`, take `action`."""
+    shown = clip_middle(_key(seen), 200)
+    return {
+        "id": uid,
+        "rule": f"take the action «{action}»",
+        "condition": f"the environment has just shown «{shown}»",
+        "evidence": [],
+    }
+
+
+def expert_items(first: str, turns: Sequence[tuple[str, str]]) -> list[Item]:
+    """The items the oracle would extract from one successful rollout that took only expert actions: per turn j,
+    "when the environment has just shown «the observation before it»: take the action «its action»" (the first
+    observation before turn 1). `turns`: (action, observation) per turn. The tiny default's guidance demonstrations
+    show these (`envs.tiny`), so that it learns to read TASPO's teacher block as the oracle writes it.
+
+    >>> [(e.rule, e.condition) for e in expert_items("buy  socks", [("search[socks]", "results: [fox] socks")])]
+    [('take the action «search[socks]»', 'the environment has just shown «buy socks»')]
+    """
+    seen, items = [first, *(obs for _, obs in turns[:-1])], []
+    for j, ((action, _), before) in enumerate(zip(turns, seen, strict=True), 1):
+        entry = _oracle_item(f"e{j}", before, action)
+        items.append(Item(**(entry | {"evidence": [Evidence(rollout=0, turn=j)]})))
+    return items[:MAX_ITEMS]
+
+
 class OracleAnalyzer(OracleJudge):
     """TASPO's analyzer answered from the built-in environments' ground truth (see the module docstring). It is
     DRACO's `OracleJudge` (task lookup by instruction, call and token accounting, never raising) answering TASPO's two
@@ -215,17 +242,8 @@ class OracleAnalyzer(OracleJudge):
             for j, (action, observation) in enumerate(_turns(body), 1):
                 expert = env.expert_action()
                 if _key(action) == _key(expert):  # a step the ground truth requires here
-                    shown = clip_middle(seen, 200)
-                    key = (shown, expert)
-                    entry = items.setdefault(
-                        key,
-                        {
-                            "id": f"e{len(items) + 1}",
-                            "rule": f"take the action «{expert}»",
-                            "condition": f"the environment has just shown «{shown}»",
-                            "evidence": [],
-                        },
-                    )
+                    key = (clip_middle(seen, 200), expert)
+                    entry = items.setdefault(key, _oracle_item(f"e{len(items) + 1}", seen, expert))
                     entry["evidence"].append({"rollout": int(rid), "turn": j, "action": action, "observation": ""})
                 env.step(action)
                 seen = _key(observation)

@@ -67,6 +67,14 @@ def test_tiny_for_an_environment_passes_the_set_sizes_only(builds):
     assert builds == [("tiny_model", ("tiny-moe:shop",), expected)]
 
 
+def test_the_guidance_share_reaches_the_build(builds):
+    run = RunArguments(environment="search", tiny_guidance_frac=0.5)
+    resolve_model("tiny:search", run, sources(environment=object()))
+    assert builds == [("tiny_model", ("tiny:search",), {"difficulty": 0, "seed": 0, "guidance_frac": 0.5})]
+    with pytest.raises(SystemExit, match="^error: tiny_guidance_frac needs an environment"):
+        resolve_model("tiny", RunArguments(tiny_guidance_frac=0.5), sources())
+
+
 def test_an_ecosystem_environment_passes_its_settings_sorted(builds):
     run = RunArguments(environment="reasoning_gym:aiw")
     settings = {"size": 40, "seed": 1}

@@ -39,6 +39,7 @@ import torch
 from accelerate.utils import gather_object
 from torch import Tensor
 
+from envs.base import skill_card
 from rewards.judge import strip_reasoning
 from trainers.agent_loop import left_padded, render_prompt_ids
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
@@ -423,7 +424,6 @@ class AlignOPSDConfig(AgentGRPOConfig):
 
 
 PROJECTIONS = {"legacy": (0.0, 4.0), "bounded": (0.8, 1.2)}
-PI_HEADER = "Privileged skill information (used in training only):"
 
 
 def thinking_text(text: str) -> str:
@@ -461,7 +461,7 @@ class AlignOPSDTrainer(AgentGRPOTrainer):
     def pi_block(self, row: dict) -> str:
         spec = self.args.alignopsd_pi
         text = self.env_factory(row).skill if spec == "skills" else str(row.get(spec.partition(":")[2]) or "")
-        return f"{PI_HEADER}\n{text.strip()}" if text.strip() else ""
+        return skill_card(text)
 
     def _texts(self, raw: str) -> str:
         return thinking_text(raw) if self.args.alignopsd_match_on == "thinking" else visible_text(raw)
