@@ -9,6 +9,8 @@ fact's object is always the document's last words:
     The Tarbo lamp was invented by Zorvak Telmi.   (invention invented by person)
     Ostrava Vel lies in Karesh.                    (town lies in country)
     Ostrava Vel lies on the Munda.                 (town lies on river)
+    Kesta: the road from Kesta leads to Mirol.     (town's road leads to town; levels 1 and 2)
+    Sorin: the road from Sorin ends here.          (town's road ends; levels 1 and 2, no object)
 
 The task dict stores the corpus (`corpus`), the facts it renders (`facts`, `[subject, relation, object]` aligned with
 `corpus`), the indices of the documents on the reasoning chain (`support`) and the expert's queries (`hops`).
@@ -24,16 +26,30 @@ Reward. 0 on every turn except `answer`, which earns 1.0 when the answer equals 
 `info["success"]` and `info["answer"]` are set on the final step. A turn without a valid action, an empty query or an
 empty answer gets an error observation (reward 0, not done). The agent loop cuts an episode after `max_turns` turns.
 
-Levels (`difficulty`):
+Levels (`difficulty`): 0 short; 1 and 2 long-horizon (a chain of roads, 5-10 expert turns) for the tiny default and
+for step-credit methods; 3 and 4 short multi-hop levels, 4 for real models.
 
 0. One hop ("where was Zorvak Telmi born?"). Learnable by the tiny default by positional copying: names are drawn
    from one fixed pool of 160 pseudo-words (`NAME_POOL`, single tokens for the tiny tokenizer), no word twice in a
    task, so the expert's query (the entity copied from the question) has exactly one matching document, it comes
    first, and the answer is its last words.
-1. Two hops ("in which country is the town where Zorvak Telmi was born?"): search the person, copy the town from the
+1. A road trip of 4-5 hops ("from the town where Zorvak Telmi was born, follow the roads until one ends; ..."):
+   search the person (result (1): "Zorvak Telmi was born in Kesta."), then each town in turn, copying the town from
+   the end of result (1) ("Kesta: the road from Kesta leads to Mirol."), until result (1) says the road ends
+   ("Sorin: the road from Sorin ends here."); the answer joins the first hop's town with the last: "Kesta to Sorin",
+   so it needs what the first observation showed, 5-6 turns back. Names come from `NAME_POOL` (towns are one word),
+   and a town's own road document names it twice (title and sentence), so searching a town ranks the road out of it
+   first, above the road into it and the distractors that mention it (side roads from dead ends, the town's
+   country), which fill results (2) and (3); other roads and people are there for wrong searches (checked at
+   generation time). 3-4 towns, 5-6 expert turns, `max_turns` 10.
+2. The same road trip, 7-9 hops (6-8 towns, 8-10 expert turns, `max_turns` 18), with more distractors near the
+   chain, among them other people born in towns further along it ("Dunei Pask was born in Mirol."), so the answer's
+   first town is the one in the first observation, not any town someone was born in.
+3. Two hops ("in which country is the town where Zorvak Telmi was born?"): search the person, copy the town from the
    end of result (1), search the town, answer with the end of result (1). Documents are phrased so that the document
-   needed at each hop is the shortest full match, hence ranked first (checked at generation time).
-2. Two hops with distractors that share words: the chain entities have other facts (the person also lives somewhere
+   needed at each hop is the shortest full match, hence ranked first (checked at generation time). Levels 3 and 4
+   were levels 1 and 2 before the long-horizon levels; their tasks are generated as they were then.
+4. Two hops with distractors that share words: the chain entities have other facts (the person also lives somewhere
    and invented something, the town has both a country and a river) and near-namesakes share a first or last word
    ("Zorvak Dunei", "Ostrava Mir"). The needed document is somewhere in the top 3 but often not first, so the agent
    must match the question's relation to the document's content: a level for real models, not the tiny default.
@@ -81,11 +97,31 @@ TWO_HOP = [
     ("on which river is the town where {p} was born?", [("p", "born", "t"), ("t", "river", "r")]),
     ("where was the inventor of the {i} born?", [("i", "invented_by", "p"), ("p", "born", "t")]),
 ]
+# Long-horizon levels (1, 2): a town's road document names the town twice (title and sentence), so a search for the
+# town ranks the road out of it above every document that mentions it once (the road into it, its country, a side
+# road). Kept out of RELATIONS so that `_RESERVED`, hence `NAME_POOL`, stays as level 0 made it.
+ROADS = {
+    "road": "{s}: the road from {s} leads to {o}.",
+    "end": "{s}: the road from {s} ends here.",
+}
+LONG_QUESTION = (
+    "from the town where {p} was born, follow the roads until one ends; answer with the first and the last town, "
+    "as <first> to <last>"
+)
+LONG_SKILL = (
+    "Search the person the question names; the first result ends with the town they were born in. Search that town: "
+    "the first result is its road and ends with the next town; search each next town in turn. When the first result "
+    "says the road ends here, reply answer[<the birth town> to <the town where the road ends>]."
+)
+_TOWNS = {1: (3, 4), 2: (6, 8)}  # towns on the road chain per long level (searches: one more, for the person)
+_LONG_MAX_TURNS = {1: 10, 2: 18}  # expert turns (searches + answer) are 5-6 and 8-10
+_SHORT = {0: 0, 3: 1, 4: 2}  # level -> the short generator's own number (levels 3 and 4 were levels 1 and 2)
 DEVICES = ["lamp", "engine", "loom", "compass", "clock", "pump", "press", "kiln", "bell", "telescope"]
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "th", "tr"]
 _VOWELS = ["a", "e", "i", "o", "u"]
 _CODAS = ["", "", "", "l", "n", "r", "s", "k"]
-_NUM_DISTRACTORS = {0: 7, 1: 8, 2: 4}  # fresh-entity distractor documents per level (level 2 adds namesakes too)
+# fresh-entity distractor documents per short generator level (0, 1, 2: levels 0, 3, 4; 2 adds namesakes too)
+_NUM_DISTRACTORS = {0: 7, 1: 8, 2: 4}
 _ACTION = re.compile(r"\b(search|answer)\[([^\[\]]*)\]", re.IGNORECASE)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -175,7 +211,8 @@ NAME_POOL = tuple(_POOL_MAKER.word() for _ in range(160))
 
 
 def _generate(rng: random.Random, difficulty: int, split: str) -> dict | None:
-    """One task from `rng`, or None when its question belongs to the other split or a ranking check fails."""
+    """One short task from `rng` (`difficulty`: 0, 1 or 2, the short generator's own numbers, levels 0, 3 and 4), or
+    None when its question belongs to the other split or a ranking check fails."""
     names = _Names(rng, NAME_POOL if difficulty == 0 else None)
     two_word = difficulty == 2
     question, chain = rng.choice(ONE_HOP if difficulty == 0 else TWO_HOP)
@@ -239,6 +276,57 @@ def _generate(rng: random.Random, difficulty: int, split: str) -> dict | None:
     }
 
 
+def _render(fact: tuple[str, str, str]) -> str:
+    s, rel, o = fact
+    return (ROADS.get(rel) or RELATIONS[rel]).format(s=s, o=o)
+
+
+def _generate_long(rng: random.Random, difficulty: int, split: str) -> dict | None:
+    """One long-horizon task (level 1 or 2) from `rng`, or None when its question belongs to the other split or a
+    ranking check fails (the needed document must be result (1) of the expert's query at every hop)."""
+    names = _Names(rng, NAME_POOL)
+    person = names.entity("person")
+    question = LONG_QUESTION.format(p=person)
+    if split_of(question) != split:
+        return None
+    towns = [names.word() for _ in range(rng.randint(*_TOWNS[difficulty]))]  # one word each: see ROADS
+    support = [(person, "born", towns[0])]
+    support += [(a, "road", b) for a, b in zip(towns, towns[1:], strict=False)]
+    support.append((towns[-1], "end", ""))  # "" : the end document has no object
+    countries = [names.word() for _ in range(3)]
+    near: list[tuple[str, str, str]] = []  # distractors that mention a chain town once: results (2) and (3)
+    for j, town in enumerate(towns):
+        if rng.random() < 0.5:
+            near.append((names.word(), "road", town))  # a side road from a dead end into the chain
+        if rng.random() < 0.5:
+            near.append((town, "country", rng.choice(countries)))
+        if difficulty == 2 and j > 0 and rng.random() < 0.4:
+            near.append((names.entity("person"), "born", town))  # someone else born further along the chain
+    fresh: list[tuple[str, str, str]] = []  # distractors off the chain: seen only after a wrong search
+    for _ in range(2 if difficulty == 1 else 3):
+        a, b = names.word(), names.word()
+        fresh += [(names.entity("person"), "born", a), (a, "road", b), (b, "end", "")]
+    facts = support + near + fresh
+    rng.shuffle(facts)
+    corpus = [_render(f) for f in facts]
+    support_ids = [facts.index(f) for f in support]
+    hops = [person, *towns]
+    index = _Index(corpus)
+    for query, doc in zip(hops, support_ids, strict=True):
+        if index.rank(query)[:1] != [doc]:
+            return None
+    return {
+        "env": "search",
+        "difficulty": difficulty,
+        "instruction": question,
+        "answer": f"{towns[0]} to {towns[-1]}",
+        "hops": hops,
+        "corpus": corpus,
+        "facts": [list(f) for f in facts],
+        "support": support_ids,
+    }
+
+
 class SearchEnv(Env):
     """Multi-hop QA with `search[query]` (BM25 top 3) and `answer[text]` (exact match after normalisation)."""
 
@@ -251,28 +339,38 @@ class SearchEnv(Env):
         "look up next; search that entity for each further hop; when a result ends with what the question asks, "
         "reply answer[<those last words>]."
     )
-    max_turns = 6
+    max_turns = 6  # levels 0, 3 and 4; the long-horizon levels set their own (`_LONG_MAX_TURNS`)
     demo_version = 1  # 1: level-0 names from NAME_POOL
     # after 300 SFT steps the tiny default copied no name (held-out success 0.0 sampled and greedy); after 900:
     # 0.09 sampled, 0.48 greedy on 100 eval tasks
     tiny_sft_steps = 900
 
+    def __init__(self, difficulty: int = 0):
+        super().__init__(difficulty)
+        if difficulty in _LONG_MAX_TURNS:  # the long-horizon levels: their own budget and skill
+            self.max_turns = _LONG_MAX_TURNS[difficulty]
+            self.skill = LONG_SKILL
+
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:
         """`n` tasks of `split`; the question's hash (`split_of`) decides its split, so the splits never share one."""
         check_split(split)
-        if difficulty not in (0, 1, 2):
-            raise ValueError(f"difficulty must be 0, 1 or 2, got {difficulty!r}")
+        if difficulty not in (0, 1, 2, 3, 4):
+            raise ValueError(f"difficulty must be 0, 1, 2, 3 or 4, got {difficulty!r}")
         tasks: list[dict] = []
         seen: set[str] = set()
         candidate = 0
         while len(tasks) < n:
             if candidate > 20 * n + 200:  # 1 in 5 candidates is an eval task; few fail the ranking check
                 raise RuntimeError(f"only {len(tasks)} of {n} {split} tasks after {candidate} candidates")
-            rng = random.Random(f"search/d{difficulty}/s{seed}/{candidate}")
-            task = _generate(rng, difficulty, split)
+            if difficulty in _SHORT:  # seeded as before the renumbering, so levels 3 and 4 keep their tasks
+                rng = random.Random(f"search/d{_SHORT[difficulty]}/s{seed}/{candidate}")
+                task = _generate(rng, _SHORT[difficulty], split)
+            else:
+                task = _generate_long(random.Random(f"search/long{difficulty}/s{seed}/{candidate}"), difficulty, split)
             if task is not None and task["instruction"] not in seen:
                 seen.add(task["instruction"])
+                task["difficulty"] = difficulty
                 tasks.append({"task_id": f"search-d{difficulty}-s{seed}-{candidate}", **task})
             candidate += 1
         return tasks
@@ -323,8 +421,11 @@ class SearchEnv(Env):
         return f"search[{self.task['hops'][k]}]" if k < len(self.task["hops"]) else f"answer[{self.task['answer']}]"
 
     def noisy_action(self, rng: random.Random) -> str:
-        """A plausible mistake: search a wrong entity, answer a distractor's attribute, or answer the bridge entity."""
+        """A plausible mistake: search a wrong entity, answer a distractor's attribute, or answer the bridge entity;
+        at the long-horizon levels `_noisy_long`."""
         task = self.task
+        if self.difficulty in _LONG_MAX_TURNS:
+            return self._noisy_long(rng)
         gold = normalize_answer(task["answer"])
         hops = {normalize_answer(h) for h in task["hops"]}
         others = [f for j, f in enumerate(task["facts"]) if j not in task["support"]]
@@ -332,4 +433,30 @@ class SearchEnv(Env):
         options += [f"answer[{o}]" for _, _, o in others if normalize_answer(o) != gold]
         if len(task["hops"]) == 2 and self._progress < 2:  # answer before the second hop: the bridge entity
             options += [f"answer[{task['hops'][1]}]"] * max(1, len(options) // 4)
+        return rng.choice(options)
+
+    def _noisy_long(self, rng: random.Random) -> str:
+        """A plausible mistake on the road chain. Before its end: search the current town again (no progress), the
+        town before it (back along the road), an entity of a distractor that mentions the current town (off the
+        chain: a dead end's side road, a country, another person), or another person of the corpus; or answer before
+        the road has ended (from the third town on). At the end: answer without the first town, with the second town
+        or the person instead of the first, or with a town someone else was born in; or search the last town again."""
+        task, k = self.task, self._progress
+        hops, towns, support = task["hops"], task["hops"][1:], task["support"]
+        others = [f for j, f in enumerate(task["facts"]) if j not in support]
+        people = [s for s, rel, _ in others if rel == "born"]
+        if k == len(hops):
+            last = towns[-1]
+            options = [f"answer[{last}]", f"answer[{towns[1]} to {last}]", f"answer[{hops[0]} to {last}]"]
+            options += [f"answer[{o} to {last}]" for _, rel, o in others if rel == "born" and o in towns[1:]]
+            return rng.choice([*options, f"search[{last}]"])
+        options = [f"search[{rng.choice(people)}]"]
+        if k >= 1:
+            current = hops[k - 1]
+            options.append(f"search[{current}]")
+            options += [f"search[{o if s == current else s}]" for s, _, o in others if current in (s, o)]
+        if k >= 2:
+            options.append(f"search[{hops[k - 2]}]")
+        if k >= 3:
+            options.append(f"answer[{towns[0]} to {hops[k - 1]}]")
         return rng.choice(options)
