@@ -28,7 +28,7 @@ from dataclasses import asdict
 from transformers.utils import get_json_schema
 
 from envs.base import ToolEnv, tool_methods
-from envs.shop import ShopEnv
+from envs.shop import LIST_LENGTH, ShopEnv
 from envs.tiny import CHAT_TEMPLATE, TinySpec, build_and_save, build_tokenizer, cache_root, demonstrations
 
 #: what the model says after buying: any turn without a tool call ends the episode
@@ -59,6 +59,7 @@ class ShopTools:
         """
         task = kwargs.get("task", kwargs)
         task = json.loads(task) if isinstance(task, str) else task
+        _check_level(task["difficulty"])
         self._env = ShopEnv(difficulty=task["difficulty"])
         self._env.reset(task)
         self._reward = 0.0
@@ -135,9 +136,19 @@ def tool_call_text(action: str) -> str:
     return "<tool_call>\n" + json.dumps(tool_call(action), ensure_ascii=False) + "\n</tool_call>"
 
 
+def _check_level(difficulty: int) -> None:
+    if difficulty in LIST_LENGTH:
+        raise ValueError(
+            f"ShopTools has no shop level {difficulty}: the shopping-list levels ({sorted(LIST_LENGTH)}) need the "
+            "shop's add and checkout actions, which are no tools here; use the text environment `shop`"
+        )
+
+
 def make_rows(split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:
     """Dataset rows for both loops: an empty user prompt (the instruction comes from `reset`, as in TRL's own
-    environment-owned data), the task as a JSON string in column `task`, and its `task_id`."""
+    environment-owned data), the task as a JSON string in column `task`, and its `task_id`. The shop's levels 0, 3
+    and 4 (the shopping lists of levels 1 and 2 have no tools)."""
+    _check_level(difficulty)
     return [
         {"prompt": [{"role": "user", "content": ""}], "task": json.dumps(task), "task_id": task["task_id"]}
         for task in ShopEnv.make_tasks(split, n, seed=seed, difficulty=difficulty)

@@ -286,6 +286,10 @@ def test_canon_slot_values_are_the_typed_values():
         ("shop", "choose[m]", {"goal_attributes": ["colour"]}, "click<option>"),  # size not asked for
         ("shop", "choose[M]", {"goal_attributes": ["size", "colour"]}, "click<option-size>"),
         ("shop", "choose[velvet]", {"goal_attributes": ["size", "colour"]}, "click<option>"),  # no option kind
+        ("shop", "add", {}, "click<add>"),  # the shopping lists' actions (levels 1 and 2)
+        ("shop", "ADD[ ]", {}, "click<add>"),
+        ("shop", "checkout[mango]", {}, "click<checkout>"),
+        ("shop", "checkout", {}, "other<object>"),  # the coupon is part of the action
         ("shop", "jump[3]", {}, "other<object>"),
         ("shop", "I will search[shirt]", {}, "other<object>"),  # the shop needs the bare action
         ("search", "hello there", {}, "other<object>"),
@@ -356,12 +360,15 @@ def test_canon_is_pure(env, action, ctx):
 
 
 def test_context_of():
-    """Eq. 1 context: goal attributes the target specifies (colour only at difficulty 2), family, action names."""
+    """Eq. 1 context: goal attributes the target specifies (colour only at shop level 4), family, action names."""
     t = {"target": {"size": "m", "colour": "red"}, "difficulty": 1, "kind": "cleanup"}
     assert context_of(t, ("a",)) == {"goal_attributes": ["size"], "family": "cleanup", "action_names": ("a",)}
-    t2 = {"target": {"size": "m", "colour": "red"}, "difficulty": 2, "family": "fam"}
+    t2 = {"target": {"size": "m", "colour": "red"}, "difficulty": 4, "family": "fam"}
     assert context_of(t2)["goal_attributes"] == ["size", "colour"]
     assert context_of(t2)["family"] == "fam"
+    assert context_of({**t2, "difficulty": 2})["goal_attributes"] == ["size"]  # the colour is no option there
+    shopping_list = {"targets": [{"size": "s", "colour": "red"}, {"size": "m", "colour": "blue"}], "difficulty": 2}
+    assert context_of(shopping_list)["goal_attributes"] == ["size"]
     assert context_of({})["goal_attributes"] == [] and context_of({})["family"] is None
 
 
@@ -416,6 +423,10 @@ def test_matcher_ids_and_options_case_insensitive():
     assert matches("shop", shop("click[B7K2]"), shop("click[B7K3]")) == (False, "slot")
     assert matches("shop", shop("choose[M]"), shop("choose[m]")) == (True, "")
     assert matches("shop", shop("choose[m]"), shop("choose[l]")) == (False, "slot")
+    assert matches("shop", shop("checkout[mango]"), shop("checkout[ MANGO ]")) == (True, "")
+    assert matches("shop", shop("checkout[mango]"), shop("checkout[otter]")) == (False, "slot")
+    assert matches("shop", shop("add"), shop("add[]")) == (True, "")
+    assert matches("shop", shop("add"), shop("buy")) == (False, "token")
     # slots given by hand, as a logged file may hold them
     gold = ("click<item>", {"item": "Otter"})
     assert matches("shop", gold, ("click<item>", {"item": " OTTER "})) == (True, "")

@@ -67,18 +67,24 @@ def _other(action: str) -> tuple[str, dict]:
 def canon_shop(action: str, ctx: dict) -> tuple[str, dict]:
     """The shop's table (WebShop's, docs/methods/xtree.md D3): `search[q]` -> `search<query>`, `click[id]` ->
     `click<item>`, `buy` -> `click<buy>`, `choose[v]` -> `click<option-KEY>` when v is a value of an option kind
-    (size, colour) that the goal specifies (`ctx["goal_attributes"]`), else `click<option>`.
+    (size, colour) that the goal specifies (`ctx["goal_attributes"]`), else `click<option>`; the shopping lists'
+    `add` -> `click<add>` and `checkout[w]` -> `click<checkout>` (slot `coupon`).
 
     >>> canon_shop("choose[m]", {"goal_attributes": ["size"]})[0]
     'click<option-size>'
     >>> canon_shop("choose[red]", {"goal_attributes": ["size"]})[0]
     'click<option>'
     """
-    from envs.shop import _ACTION, COLOURS, SIZES
+    from envs.shop import _ACTION, _CART_ACTION, COLOURS, SIZES
 
     m = _ACTION.fullmatch(action.strip())  # the shop's own grammar
     if m is None:
-        return _other(action)
+        cart = _CART_ACTION.fullmatch(action.strip())  # the shopping lists' add and checkout (levels 1 and 2)
+        if cart is None:
+            return _other(action)
+        if cart.group(3):
+            return "click<add>", {"raw": action, "surface": "add"}
+        return "click<checkout>", {"raw": action, "coupon": cart.group(2).strip(), "surface": "checkout[<obj>]"}
     verb = (m.group(1) or m.group(3)).lower()
     arg = (m.group(2) or "").strip()
     if verb == "search":
@@ -175,8 +181,9 @@ def canon(env: str, action: str, ctx: dict | None = None) -> tuple[str, dict]:
 def context_of(task: dict, action_names: Sequence[str] = ()) -> dict:
     """What canonicalisation may read of a task: the option kinds its goal specifies (`goal_attributes`), its family
     (the terminal's task `kind`) and the environment's action names (the generic table)."""
-    target = task.get("target") or {}
-    goal = [k for k in ("size", "colour") if k in target and (k != "colour" or task.get("difficulty") == 2)]
+    target = task.get("target") or next(iter(task.get("targets") or []), {})  # the shop's (a list's: alike)
+    # the colour is an option to choose at the shop's level 4 only
+    goal = [k for k in ("size", "colour") if k in target and (k != "colour" or task.get("difficulty") == 4)]
     return {"goal_attributes": goal, "family": task.get("kind") or task.get("family"), "action_names": action_names}
 
 
@@ -187,8 +194,8 @@ def _words(text: str) -> set[str]:
 def matches(env: str, gold: tuple[str, dict], action: tuple[str, dict], jaccard: float = 0.5) -> tuple[bool, str]:
     """The step matcher of the logged environment (docs/methods/xtree.md D5): same token and same key slot.
     Returns (match, reason) with reason "" on a match, else "parse" (the action is `other`), "token" or "slot".
-    Search queries match by word-set Jaccard >= `jaccard`; item ids, option values and answers case-insensitively;
-    terminal command lines word by word as the shell splits them (quoted spaces kept)."""
+    Search queries match by word-set Jaccard >= `jaccard`; item ids, option values, answers and coupons
+    case-insensitively; terminal command lines word by word as the shell splits them (quoted spaces kept)."""
     token, slots = action
     if token.startswith("other<"):
         return False, "parse"
@@ -198,8 +205,8 @@ def matches(env: str, gold: tuple[str, dict], action: tuple[str, dict], jaccard:
     if "query" in g:
         a, b = _words(g["query"]), _words(slots.get("query", ""))
         ok = bool(a | b) and len(a & b) / len(a | b) >= jaccard
-    elif "item" in g or "option" in g or "answer" in g:
-        key = next(k for k in ("item", "option", "answer") if k in g)
+    elif "item" in g or "option" in g or "answer" in g or "coupon" in g:
+        key = next(k for k in ("item", "option", "answer", "coupon") if k in g)
         ok = " ".join(str(g[key]).lower().split()) == " ".join(str(slots.get(key, "")).lower().split())
     elif "words" in g:  # shell words with their boundaries: `touch 'a b'` is not `touch a b`
         ok = g["words"] == slots.get("words")
@@ -930,4 +937,6 @@ def _gloss(token: str, key: str) -> str:
         "click<item>": "open the matching item",
         f"click<option-{key}>": f"choose the {key} the goal names",
         "click<buy>": "buy",
+        "click<add>": "add the item to the cart",
+        "click<checkout>": "check out with the instruction's coupon",
     }.get(token, token)
