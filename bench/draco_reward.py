@@ -1,6 +1,7 @@
 """Does DRACO's outcome-blind reward lead to success? Its rubric reward against the environment's success, offline.
 
     python bench/draco_reward.py                          # shop, search, terminal at levels 0 and 1, p 0.3 / 0.5 / 0.7
+    python bench/draco_reward.py --essential-gate --out bench/results/draco_reward_essential_gate   # draco.md D19
     python bench/draco_reward.py --envs shop --levels 0 --tasks 20 --out /tmp/draco_reward   # a quick look
 
 No model: every rollout is the environment's expert (`expert_action`) corrupted with probability `p` per turn by one of
@@ -12,22 +13,24 @@ entity). Each task gets `--rollouts` (12) rollouts, grouped G at a time as DRACO
 The reward is DRACO's, exactly as `DRACOTrainer` computes it: `rewards.rubrics.DracoReward` over a `RubricPipeline`
 with the oracle judge (`rewards.oracle.OracleJudge`: the real prompts of rewards/rubrics.py answered from ground
 truth), then TRL's group advantage (draco.md Eq. 3) and, at G = 6, the credit stage and DRACO's step weights
-(`trainers.draco.draco_step_weights`, Eq. 4-6). The environment's success is read only to evaluate. Measured per
-environment, level and p:
+(`trainers.draco.draco_step_weights`, Eq. 4-6). With `--essential-gate` the pipeline runs with draco.md D19's
+essential gate (`RubricPipeline(essential_gate=True)`, `DRACOConfig.draco_essential_gate`), so every table below is
+that reward's. The environment's success is read only to evaluate. Measured per environment, level and p:
 
 * agreement: the within-group pairwise AUC (the share of (success, failure) pairs of one group where the success has
   the higher reward, ties counting 1/2), the strict share (ties count 0), the mean reward of successes and failures,
   and the share of mixed groups where every success beats every failure;
 * where the push goes: the share of the positive advantage mass that lands on successes (1 for a binary success
   reward; what is left goes to failures), and per failure type (`FAILURE_TYPES`, e.g. "bought, no size chosen"): its
-  mean reward, how often it is its group's best rollout, how often its advantage is positive, in all groups and in
-  groups without a success;
+  mean reward, how often it is its group's best rollout, how often its advantage is positive, in all groups, in
+  mixed groups (a success and a failure) and in groups without a success;
 * step credit: the share ρ_j = w_j / Σ_k w_k of a rollout's push that DRACO's step weights put on its last step (the
   shop's `buy`, the terminal's `submit`, the search's answer), for winners and losers, against 1/M;
 * variants the method's page leaves open, computed from the same judge verdicts (`VARIANTS`): criterion weights (task
   rubric S1 above trajectory rubric S2), the static rubric (every oracle check, no union filter, no dropout), two
-  outcome-first forms of Eq. 2 (a tier and a gate on the S1 criteria), and the group size G (the pipeline rerun for
-  each G in `--group-sizes`); the environment's own reward and its success as references.
+  outcome-first forms of Eq. 2 (a tier and a gate on the S1 criteria), the other side of D19 (the essential gate in a
+  run without it, Eq. 2 without it in a run with it), and the group size G (the pipeline rerun for each G in
+  `--group-sizes`); the environment's own reward and its success as references (`variants`).
 
 Writes bench/results/draco_reward/result.json (every number, per setting, type and variant) and result.md (the
 tables), or into `--out`. About 5 minutes on one busy CPU core for the default run.
@@ -57,7 +60,15 @@ from envs.search import normalize_answer  # noqa: E402
 from envs.shop import COLOURS, MATERIALS, TYPES  # noqa: E402
 from envs.terminal import CONTENT, NAMES  # noqa: E402
 from rewards.oracle import CHECKS, OracleJudge  # noqa: E402
-from rewards.rubrics import DracoReward, GroupInput, GroupResult, RubricPipeline, normalize_title  # noqa: E402
+from rewards.rubrics import (  # noqa: E402
+    DracoReward,
+    GroupInput,
+    GroupResult,
+    RubricPipeline,
+    gated_rubric_reward,
+    normalize_title,
+    rubric_reward,
+)
 from trainers.draco import draco_citations, draco_step_weights  # noqa: E402
 
 KINDS = ("skip", "random", "stop", "wrong")
@@ -296,9 +307,30 @@ def static(res: GroupResult, rollouts: list[dict], task: dict) -> list[float]:
     return out
 
 
-#: variant -> (group result, its rollouts, task) -> rewards; "DRACO (Eq. 2)" is DracoReward's own output
-VARIANTS: dict[str, Callable[[GroupResult, list[dict], dict], list[float]]] = {
-    "DRACO (Eq. 2)": lambda res, rollouts, task: list(res.rewards),
+def essential_gate(res: GroupResult, rollouts: list[dict], task: dict) -> list[float]:
+    """draco.md D19 from the group's verdicts: −1 on a failed surviving essential criterion, else Eq. 2."""
+    essential = [c.essential for c in res.merged]
+    return [gated_rubric_reward(v, res.surviving, essential) for v in res.verdicts]
+
+
+def plain_eq2(res: GroupResult, rollouts: list[dict], task: dict) -> list[float]:
+    """The paper's Eq. 2 from the group's verdicts (what a run without D19's gate pays)."""
+    return [rubric_reward(v, res.surviving) for v in res.verdicts]
+
+
+def main_name(gate: bool) -> str:
+    """The key of DracoReward's own output: with or without draco.md D19's essential gate."""
+    return "DRACO + essential gate (D19)" if gate else "DRACO (Eq. 2)"
+
+
+def variants(gate: bool = False) -> dict[str, Callable[[GroupResult, list[dict], dict], list[float]]]:
+    """variant -> (group result, its rollouts, task) -> rewards. The first is DracoReward's own output
+    (`main_name(gate)`), the second the other side of D19 computed from the same verdicts."""
+    other = {"Eq. 2, no gate": plain_eq2} if gate else {"essential gate (D19)": essential_gate}
+    return {main_name(gate): lambda res, rollouts, task: list(res.rewards), **other, **OTHER_VARIANTS}
+
+
+OTHER_VARIANTS: dict[str, Callable[[GroupResult, list[dict], dict], list[float]]] = {
     "S1 weight 3": weighted(3.0, 1.0),
     "S1 only (S2 weight 0)": weighted(1.0, 0.0),
     "static rubric, no dropout": static,
@@ -307,15 +339,19 @@ VARIANTS: dict[str, Callable[[GroupResult, list[dict], dict], list[float]]] = {
     "reference: env reward": lambda res, rollouts, task: [r["env_reward"] for r in rollouts],
     "reference: success": lambda res, rollouts, task: [float(r["success"]) for r in rollouts],
 }
+VARIANTS = variants(False)  # a run without the gate (the default)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 4. One setting: rewards, advantages, credit
 
 
-def score(rollouts: list[list[dict]], tasks: list[dict], G: int) -> tuple[DracoReward, CapturingPipeline, list]:
-    """DracoReward on every task's rollouts, G at a time, as DRACOTrainer calls it (one call, rows task-major)."""
-    pipeline = CapturingPipeline(OracleJudge(tasks))
+def score(
+    rollouts: list[list[dict]], tasks: list[dict], G: int, gate: bool = False
+) -> tuple[DracoReward, CapturingPipeline, list]:
+    """DracoReward on every task's rollouts, G at a time, as DRACOTrainer calls it (one call, rows task-major); `gate`:
+    draco.md D19's essential gate."""
+    pipeline = CapturingPipeline(OracleJudge(tasks), essential_gate=gate)
     reward = DracoReward(pipeline, group_size=G)
     rows = [(t, r) for t, rs in zip(tasks, rollouts, strict=True) for r in rs]
     rewards = reward(
@@ -358,17 +394,20 @@ def agreement(groups: list[dict], key: str) -> dict:
 
 def type_stats(groups: list[dict], key: str) -> dict[str, dict]:
     """Per rollout type: count, mean and max reward, best-in-group rate (the group's top reward with A > 0), A > 0
-    rate, the same in groups without a success, and mean A."""
+    rate, the same in mixed groups (a success and a failure) and in groups without a success, and mean A."""
     acc: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for g in groups:
         r, a = g["rewards"][key], g["adv"][key]
         top, has_success = max(r), any(x["success"] for x in g["rollouts"])
+        mixed = has_success and not all(x["success"] for x in g["rollouts"])
         for x, ri, ai in zip(g["rollouts"], r, a, strict=True):
             d = acc[x["type"]]
             d["r"].append(ri)
             d["a"].append(ai)
             d["best"].append(float(ri == top and ai > 0))
             d["pos"].append(float(ai > 0))
+            if mixed:
+                d["pos_mixed"].append(float(ai > 0))
             if not has_success:
                 d["pos_no_success"].append(float(ai > 0))
     out = {}
@@ -379,6 +418,8 @@ def type_stats(groups: list[dict], key: str) -> dict[str, dict]:
             "reward_max": max(d["r"]),
             "best_in_group": sum(d["best"]) / len(d["best"]),
             "adv_positive": sum(d["pos"]) / len(d["pos"]),
+            "adv_positive_mixed_group": sum(d["pos_mixed"]) / len(d["pos_mixed"]) if d["pos_mixed"] else math.nan,
+            "in_mixed_groups": len(d["pos_mixed"]),
             "adv_positive_no_success_group": (
                 sum(d["pos_no_success"]) / len(d["pos_no_success"]) if d["pos_no_success"] else math.nan
             ),
@@ -466,15 +507,16 @@ def run_setting(env_name: str, level: int, p: float, args: argparse.Namespace) -
     out["turns_mean"] = sum(len(r["transcript"]) for r in flat) / len(flat)
     out["types"] = {k: sum(r["type"] == k for r in flat) for k in sorted({r["type"] for r in flat})}
     out["group_sizes"] = {}
+    own, table = main_name(args.essential_gate), variants(args.essential_gate)
     for G in args.group_sizes:
-        reward, pipeline, rewards = score(rollouts, tasks, G)
+        reward, pipeline, rewards = score(rollouts, tasks, G, args.essential_gate)
         groups = []
         for res, s in zip(pipeline.results, range(0, len(flat), G), strict=True):
             members = flat[s : s + G]
             task = tasks[s // args.rollouts]
-            keys = VARIANTS if G == args.main_group else ["DRACO (Eq. 2)"]
-            groups.append({"rollouts": members, "rewards": {k: VARIANTS[k](res, members, task) for k in keys}})
-        if [x for g in groups for x in g["rewards"]["DRACO (Eq. 2)"]] != rewards:
+            keys = table if G == args.main_group else [own]
+            groups.append({"rollouts": members, "rewards": {k: table[k](res, members, task) for k in keys}})
+        if [x for g in groups for x in g["rewards"][own]] != rewards:
             raise RuntimeError("the captured group results disagree with DracoReward's rewards")
         for key in groups[0]["rewards"]:
             adv = group_advantages([x for g in groups for x in g["rewards"][key]], G)  # (B,) Eq. 3
@@ -484,22 +526,23 @@ def run_setting(env_name: str, level: int, p: float, args: argparse.Namespace) -
             "groups": len(groups),
             "groups_with_success": sum(any(x["success"] for x in g["rollouts"]) for g in groups),
         }
-        stats["zero_std_groups"] = sum(len(set(g["rewards"]["DRACO (Eq. 2)"])) == 1 for g in groups)
+        stats["zero_std_groups"] = sum(len(set(g["rewards"][own])) == 1 for g in groups)
         stats["variants"] = {k: agreement(groups, k) | {"types": type_stats(groups, k)} for k in groups[0]["rewards"]}
         if G == args.main_group:
-            adv = torch.tensor([a for g in groups for a in g["adv"]["DRACO (Eq. 2)"]], dtype=torch.float64)  # (B,)
+            adv = torch.tensor([a for g in groups for a in g["adv"][own]], dtype=torch.float64)  # (B,)
             stats["credit"] = credit_shares(reward, pipeline, adv, flat)
-            stats["static_order_agreement"] = order_agreement(groups)
+            stats["static_order_agreement"] = order_agreement(groups, own)
         out["group_sizes"][str(G)] = stats
     return out
 
 
-def order_agreement(groups: list[dict]) -> float:
-    """Share of within-group rollout pairs that DRACO's reward and the static rubric order the same way (ties
-    included): with ±1 oracle verdicts Eq. 2 is increasing in the number of passed checks within a group, so 1."""
+def order_agreement(groups: list[dict], key: str = "DRACO (Eq. 2)") -> float:
+    """Share of within-group rollout pairs that DRACO's reward (`key`) and the static rubric order the same way (ties
+    included): with ±1 oracle verdicts Eq. 2 is increasing in the number of passed checks within a group, so 1; D19's
+    gate ties the rollouts that fail an essential criterion, so less."""
     same = total = 0
     for g in groups:
-        a, b = g["rewards"]["DRACO (Eq. 2)"], g["rewards"]["static rubric, no dropout"]
+        a, b = g["rewards"][key], g["rewards"]["static rubric, no dropout"]
         for i in range(len(a)):
             for j in range(i + 1, len(a)):
                 total += 1
@@ -518,7 +561,13 @@ def fmt(x: float | None, digits: int = 2) -> str:
 
 
 def report(results: dict, args: argparse.Namespace) -> str:
-    main = str(args.main_group)
+    main, key = str(args.main_group), main_name(args.essential_gate)
+    eq2 = "Eq. 2, no gate" if args.essential_gate else key  # "top failure type": the one the paper's Eq. 2 pays most
+
+    def top_failure(v: dict) -> str | None:
+        fails = {k: t for k, t in v[eq2]["types"].items() if k != "success" and t["count"] >= MIN_COUNT}
+        return max(fails, key=lambda k: fails[k]["reward_mean"]) if fails else None
+
     lines = [
         f"DRACO's outcome-blind reward (oracle judge) against success, on corrupted-expert rollouts: {args.tasks} "
         f"tasks x {args.rollouts} rollouts per (environment, level, p), groups of G = {main} unless stated, seed "
@@ -526,39 +575,40 @@ def report(results: dict, args: argparse.Namespace) -> str:
         "beats all: mixed groups where every success out-rewards every failure; push on success: share of the "
         "positive advantage mass on successes (1 for a binary success reward). Type tables leave out types with fewer "
         f"than {MIN_COUNT} rollouts in a setting (result.json has them all).\n",
-        "### DRACO's reward (Eq. 2) per setting\n",
+        f"### {key}: DracoReward's own reward per setting\n",
         "| env | level | p | success | AUC | strict | R success | R failure | beats all | push on success | "
-        "top failure type (mean R) | its best-in-group | its A > 0 | its A > 0, no-success groups |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "top failure type under Eq. 2 (mean R) | its best-in-group | its A > 0 | its A > 0, mixed groups "
+        "| its A > 0, no-success groups |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (env, level, p), res in results.items():
-        st = res["group_sizes"][main]["variants"]["DRACO (Eq. 2)"]
-        fails = {k: v for k, v in st["types"].items() if k != "success" and v["count"] >= MIN_COUNT}
-        top = max(fails, key=lambda k: fails[k]["reward_mean"]) if fails else None
-        t = fails.get(top, {})
+        st = res["group_sizes"][main]["variants"][key]
+        top = top_failure(res["group_sizes"][main]["variants"])
+        t = st["types"].get(top, {})
         lines.append(
             f"| {env} | {level} | {p} | {fmt(res['success_rate'])} | {fmt(st['auc'])} | {fmt(st['strict_win'])} | "
             f"{fmt(st['reward_success'])} | {fmt(st['reward_failure'])} | {fmt(st['success_beats_all_failures'])} | "
             f"{fmt(st['push_on_success'])} | {top} ({fmt(t.get('reward_mean'))}) | {fmt(t.get('best_in_group'))} | "
-            f"{fmt(t.get('adv_positive'))} | {fmt(t.get('adv_positive_no_success_group'))} |"
+            f"{fmt(t.get('adv_positive'))} | {fmt(t.get('adv_positive_mixed_group'))} | "
+            f"{fmt(t.get('adv_positive_no_success_group'))} |"
         )
     lines += [
-        "\n### Failure types under DRACO's reward, per setting\n",
-        "| env | level | p | type | count | mean R | max R | best in group | A > 0 | A > 0, no-success groups "
-        "| mean A |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"\n### Failure types under {key}, per setting\n",
+        "| env | level | p | type | count | mean R | max R | best in group | A > 0 | A > 0, mixed groups "
+        "| A > 0, no-success groups | mean A |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (env, level, p), res in results.items():
-        types = res["group_sizes"][main]["variants"]["DRACO (Eq. 2)"]["types"]
+        types = res["group_sizes"][main]["variants"][key]["types"]
         for kind, t in sorted(types.items(), key=lambda kv: -kv[1]["reward_mean"]):
             if t["count"] < MIN_COUNT:
                 continue
             lines.append(
                 f"| {env} | {level} | {p} | {kind} | {t['count']} | {fmt(t['reward_mean'])} | {fmt(t['reward_max'])} "
-                f"| {fmt(t['best_in_group'])} | {fmt(t['adv_positive'])} | "
+                f"| {fmt(t['best_in_group'])} | {fmt(t['adv_positive'])} | {fmt(t['adv_positive_mixed_group'])} | "
                 f"{fmt(t['adv_positive_no_success_group'])} | {fmt(t['adv_mean'])} |"
             )
-    names = list(VARIANTS)
+    names = list(variants(args.essential_gate))
     lines += [
         "\n### Variants (same rollouts and judge verdicts): AUC / beats all / push on success\n",
         "| env | level | p | " + " | ".join(names) + " |",
@@ -578,11 +628,9 @@ def report(results: dict, args: argparse.Namespace) -> str:
     ]
     for (env, level, p), res in results.items():
         v = res["group_sizes"][main]["variants"]
-        types = v["DRACO (Eq. 2)"]["types"]
-        fails = {k: t for k, t in types.items() if k != "success" and t["count"] >= MIN_COUNT}
-        if not fails:
+        top = top_failure(v)
+        if top is None:
             continue
-        top = max(fails, key=lambda k: fails[k]["reward_mean"])
         cells = [fmt(v[k]["types"][top]["adv_positive_no_success_group"]) for k in names[:-1]]
         lines.append(f"| {env} | {level} | {p} | {top} | " + " | ".join(cells) + " |")
     sizes = [str(G) for G in args.group_sizes]
@@ -596,7 +644,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
         cells = []
         for G in sizes:
             st = res["group_sizes"][G]
-            d = st["variants"]["DRACO (Eq. 2)"]
+            d = st["variants"][key]
             cells.append(
                 f"{fmt(d['auc'])} / {fmt(d['push_on_success'])} / {st['groups_with_success']}/{st['groups']}"
                 f" / {st['zero_std_groups']}"
@@ -612,7 +660,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (env, level, p), res in results.items():
-        types = res["group_sizes"][main]["variants"]["DRACO (Eq. 2)"]["types"]
+        types = res["group_sizes"][main]["variants"][key]["types"]
         for kind, c in sorted(res["group_sizes"][main]["credit"].items()):
             if types[kind]["count"] < MIN_COUNT:
                 continue
@@ -657,6 +705,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[2, 3, 4, 6, 12])
     parser.add_argument("--main-group", type=int, default=6, help="G of the variant, type and credit tables")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--essential-gate", action="store_true", help="DracoReward with draco.md D19's essential gate (R = -1)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "draco_reward", help="folder for result.json and .md")
     args = parser.parse_args(argv)
     if args.main_group not in args.group_sizes or any(args.rollouts % G for G in args.group_sizes):
@@ -668,7 +719,7 @@ def main(argv: list[str] | None = None) -> dict:
             for p in args.noise:
                 t0 = time.perf_counter()
                 results[(env, level, p)] = res = run_setting(env, level, p, args)
-                st = res["group_sizes"][str(args.main_group)]["variants"]["DRACO (Eq. 2)"]
+                st = res["group_sizes"][str(args.main_group)]["variants"][main_name(args.essential_gate)]
                 print(
                     f"{env} level {level} p {p}: success {res['success_rate']:.3f} AUC {fmt(st['auc'])} push on "
                     f"success {fmt(st['push_on_success'])} ({time.perf_counter() - t0:.1f} s)",

@@ -8,7 +8,8 @@ and deterministically. What it does per stage (the stage is told by the schema):
   at construction, e.g. the training dataset's `task` column; the prompts never contain ground truth);
 - it reads each rollout's actions back from the prompt and replays them in a fresh environment, so it knows every
   state the agent passed through;
-- S1 returns the environment's task-level checks as criteria (the outcome attributes of the task); S2 returns the
+- S1 returns the environment's task-level checks as criteria (the outcome attributes of the task, marked `essential`
+  where success requires them, draco.md D19); S2 returns the
   process checks this rollout fails; the union deduplicates and drops the criteria every shown rollout passes or
   finds not applicable (§4.3); scoring evaluates each listed criterion by title (an unknown title scores 0); credit
   gives the same verdicts with the steps responsible (a PASS or FAIL always cites at least one step, an omission
@@ -18,12 +19,12 @@ It counts like the real judge (`metrics()`): calls, requests, tokens estimated a
 `usage_estimated`), cost 0. It never raises: an unknown task or an unreadable prompt gives None (unscorable).
 
 Checks per environment (titles are the criteria titles):
-- shop: bought item type / material / colour, chosen size, price within budget, a search naming the wanted item
-  (task level); every action valid on its page (process).
-- terminal: each assertion of the verifier on the final file system, ending with `submit` (task level); commands run
-  without shell errors (process).
-- search: each hop's supporting document surfaced by a search, the final answer correct (task level); every turn a
-  valid action (process).
+- shop: bought item type / material / colour, chosen size, price within budget (task level, essential), a search
+  naming the wanted item (task level); every action valid on its page (process).
+- terminal: each assertion of the verifier on the final file system, ending with `submit` (task level, essential);
+  commands run without shell errors (process).
+- search: each hop's supporting document surfaced by a search (task level), the final answer correct (task level,
+  essential); every turn a valid action (process).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Check:
     steps: list[int]  # 1-based steps responsible for the verdict
     evidence: str = ""
     process: bool = False  # a process check (S2) rather than a task-level one (S1)
+    essential: bool = False  # an outcome the instruction names: what success requires (draco.md D19)
 
     def criterion(self, evidence: bool = False) -> dict[str, Any]:
         out = {
@@ -73,6 +75,7 @@ class Check:
             "description": self.description,
             "evaluator_instruction": f"Pass if {self.description[0].lower()}{self.description[1:]}",
             "grounding_references": [],
+            "essential": self.essential,
         }
         if evidence:
             out["trajectory_evidence"] = self.evidence
@@ -123,13 +126,13 @@ def shop_checks(task: dict, actions: Sequence[str]) -> list[Check]:
 
     def outcome(attr: str, title: str, description: str, option: bool = False) -> Check:
         if item is None:
-            return Check(title, description, -1, _last(actions), "nothing was bought")
+            return Check(title, description, -1, _last(actions), "nothing was bought", essential=True)
         first = chose.get(attr) if option else opened.get(item["id"])
         steps = sorted({s for s in (first, buy_step) if s})
         bought = f"bought {item['id']} ({_title(item, level)} ${item['price']}), options {env.chosen or 'none'}"
-        return Check(title, description, 1 if matched[attr] else -1, steps, bought)
+        return Check(title, description, 1 if matched[attr] else -1, steps, bought, essential=True)
 
-    colour_option = level == 2
+    colour_option = any(len(it["colours"]) > 1 for it in env.catalogue)  # the level whose items offer colours
     checks = [
         outcome("type", f"The bought item is a {t['type']}", f"The item bought is a {t['type']}."),
         outcome("material", f"The bought item is {t['material']}", f"The item bought is made of {t['material']}."),
@@ -144,7 +147,7 @@ def shop_checks(task: dict, actions: Sequence[str]) -> list[Check]:
             "price", f"The price is at most {t['max_price']} dollars", f"The item costs {t['max_price']} or less."
         ),
     ]
-    wanted = {t["type"], t["material"]} | ({t["colour"]} if level < 2 else set())
+    wanted = {t["type"], t["material"]} | (set() if colour_option else {t["colour"]})  # titles name the colour
     good = [j for j, words in searches if wanted <= words]
     checks.append(
         Check(
@@ -203,13 +206,14 @@ def terminal_checks(task: dict, actions: Sequence[str]) -> list[Check]:
         touched = [j for j, c in enumerate(commands, 1) if name and name in c]
         title = _describe(assertion)
         description = f"At the end, {title[0].lower()}{title[1:]}."
-        checks.append(Check(title, description, 1 if holds else -1, touched or _last(actions)))
+        checks.append(Check(title, description, 1 if holds else -1, touched or _last(actions), essential=True))
     checks.append(
         Check(
             "The episode ends with submit",
             "The agent ends the episode with `submit` once the work is done.",
             1 if submit_step else -1,
             [submit_step] if submit_step else _last(actions),
+            essential=True,
         )
     )
     checks.append(
@@ -258,6 +262,7 @@ def search_checks(task: dict, actions: Sequence[str]) -> list[Check]:
             1 if answer and answer[1] else -1,
             [answer[0]] if answer else _last(actions),
             "no answer" if answer is None else f"answer at step {answer[0]}",
+            essential=True,
         )
     )
     checks.append(
@@ -363,7 +368,9 @@ class OracleJudge(BaseJudge):
                 if key in seen or (None not in votes and (all(x == 1 for x in votes) or all(x == 0 for x in votes))):
                     continue  # duplicate, or passed / not applicable everywhere (§4.3 union rules)
                 seen.add(key)
-                kept.append({k: c[k] for k in ("title", "description", "evaluator_instruction")})
+                kept.append(
+                    {k: c[k] for k in ("title", "description", "evaluator_instruction", "essential") if k in c}
+                )
             return {"criteria": kept[:24]}
         checks = {normalize_title(c.title): c for c in judge(task, rollouts[0])}
         if schema is Scores:

@@ -8,7 +8,9 @@ The stages of one task group (draco.md §4.3), all async with bounded concurrenc
 3. **union**, one merged rubric per group (at most 24), with a deterministic fallback merge;
 4. **scoring** of every rollout: +1 satisfied / −1 violated / 0 not applicable per criterion (k votes combined by
    Eq. 10 / conventions.md C10 when the judge votes);
-5. **discriminative dropout** (Eq. 1) and the **outcome-blind reward** R = (p − f)/(p + f) (Eq. 2);
+5. **discriminative dropout** (Eq. 1) and the **outcome-blind reward** R = (p − f)/(p + f) (Eq. 2); with the
+   essential gate (draco.md D19, `essential_gate`), R = −1 for a rollout that fails a criterion the judge marked
+   `essential` (an outcome the instruction names);
 6. **credit**, per rollout with A ≠ 0: a final PASS/FAIL/NOT_APPLICABLE per surviving criterion with the steps
    (numbered from 1) causally responsible for it. The trainer turns these into step weights (`trainers/draco.py`).
 
@@ -51,7 +53,7 @@ from rewards.judge import REPAIR_PROMPT, BaseJudge, combine_votes, strip_reasoni
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=pydantic.BaseModel)
-TEMPLATE_VERSION = "draco-v1"  # part of every S1 cache key (§4.2)
+TEMPLATE_VERSION = "draco-v2"  # part of every S1 cache key (§4.2); v2 asks for `essential` (D19)
 LIMITS = {"task": 15, "rollout": 10, "merge": 24}  # §4.3: S1 / S2 per rollout / union
 PHASES = ("task", "rollout", "merge", "scoring", "credit")
 VERDICTS = {"PASS": 1, "FAIL": -1, "NOT_APPLICABLE": 0}
@@ -62,11 +64,13 @@ VERDICTS = {"PASS": 1, "FAIL": -1, "NOT_APPLICABLE": 0}
 
 
 class Criterion(pydantic.BaseModel):
-    """A merged criterion (union stage output)."""
+    """A merged criterion (union stage output). `essential` (draco.md D19): an outcome the instruction itself names,
+    so that an attempt failing it has not done the task; a judge that omits the field marks nothing essential."""
 
     title: str
     description: str
     evaluator_instruction: str
+    essential: bool = False
 
 
 class TaskCriterion(Criterion):
@@ -169,11 +173,30 @@ def rubric_reward(verdicts: Sequence[int] | None, surviving: Sequence[int]) -> f
     return (p - f) / (p + f) if p + f else 0.0
 
 
+def gated_rubric_reward(
+    verdicts: Sequence[int] | None, surviving: Sequence[int], essential: Sequence[bool]
+) -> float | None:
+    """Eq. 2 with the essential gate (draco.md D19): −1, the bottom of Eq. 2's range, when the rollout fails (−1) a
+    surviving criterion marked essential (`essential[c]`, per criterion); else `rubric_reward`. A rollout that misses
+    an outcome the instruction names can then never out-score one that reaches every named outcome, nor get a
+    positive advantage in a group where some rollout reaches them. Not applicable (0) is not a failure.
+
+    >>> gated_rubric_reward([1, 1, 1, -1], [0, 1, 2, 3], [True, True, False, False])  # a non-essential fail: Eq. 2
+    0.5
+    >>> gated_rubric_reward([1, 1, 1, -1], [0, 1, 2, 3], [False, False, False, True])  # Eq. 2 would give 0.5
+    -1.0
+    """
+    if verdicts is not None and any(essential[c] and verdicts[c] == -1 for c in surviving):
+        return -1.0  # D19
+    return rubric_reward(verdicts, surviving)
+
+
 def fallback_merge(task: Sequence[Criterion], rollouts: Sequence[Sequence[Criterion]]) -> list[Criterion]:
     """The union stage's fallback (§4.6): S1 then S2 candidates, deduplicated by title, truncated to 24."""
-    flat = [Criterion(**c.model_dump(include={"title", "description", "evaluator_instruction"})) for c in task]
+    keep = {"title", "description", "evaluator_instruction", "essential"}
+    flat = [Criterion(**c.model_dump(include=keep)) for c in task]
     for group in rollouts:
-        flat += [Criterion(**c.model_dump(include={"title", "description", "evaluator_instruction"})) for c in group]
+        flat += [Criterion(**c.model_dump(include=keep)) for c in group]
     return dedupe_and_truncate(flat, LIMITS["merge"])[0]
 
 
@@ -329,7 +352,9 @@ Rules:
 - plain language.
 Return {{"criteria": [...]}} with at most {limit} entries, most important first. Fields: title (3-8 words),
 description (1-3 sentences), evaluator_instruction (how a scorer decides pass, fail or not applicable),
-grounding_references (the parts of the task text that ground the criterion)."""
+grounding_references (the parts of the task text that ground the criterion), essential (true only for an outcome the
+task text itself names as required, e.g. each requested property of the final result, so that an attempt failing it
+has not done the task whatever else it did; false for process, behaviour and partial-progress criteria)."""
 _ROLLOUT_RULES = """Propose extra criteria that this rollout reveals.
 Rules:
 - only criteria that could not have been written from the instructions alone and that duplicate no existing one;
@@ -337,7 +362,8 @@ Rules:
   plainly passes are not allowed;
 - word each criterion so that it applies to any rollout of the task while keeping the failure it is anchored on.
 Return {{"criteria": [...]}} with at most {limit} entries (possibly none). Fields: title, description,
-evaluator_instruction, grounding_references, trajectory_evidence (what in this rollout failed or was incomplete)."""
+evaluator_instruction, grounding_references, trajectory_evidence (what in this rollout failed or was incomplete),
+essential (true only for an outcome the task text itself names as required; usually false here)."""
 _MERGE_RULES = """Merge the candidate criteria into one rubric for this group of rollouts.
 Rules:
 - merge true paraphrases, and merge criteria that the same observable mistake would fail;
@@ -346,7 +372,8 @@ Rules:
 - drop any criterion that every shown rollout would pass, or that would be not applicable to every rollout; keep a
   criterion that every rollout fails;
 - the limit is a ceiling, not a target.
-Return {{"criteria": [...]}} with at most {limit} entries. Fields: title, description, evaluator_instruction."""
+Return {{"criteria": [...]}} with at most {limit} entries. Fields: title, description, evaluator_instruction,
+essential (true when a criterion merged into it is essential and it still tests an outcome the task names)."""
 _SCORING_RULES = """Score the rollout against every criterion, in the given order. For each: find the evidence,
 assess it, give a score and justify it in 1-3 actionable sentences.
 Scores: 1 = satisfied; -1 = violated; 0 = the situation the criterion is about never arose (a conditional criterion
@@ -472,6 +499,8 @@ class RubricPipeline:
         observation_chars: cap on each observation in the credit summary (D4).
         protocol_notes: the environment adapter's notes slot of every template (§4.2).
         judge_id: judge identity in the S1 cache key (D9).
+        essential_gate: reward a rollout that fails an essential criterion −1 (`gated_rubric_reward`, D19); False
+            is the paper's Eq. 2, where the `essential` flags are asked for but not used.
     """
 
     def __init__(
@@ -484,6 +513,7 @@ class RubricPipeline:
         observation_chars: int = 1000,
         protocol_notes: str = "",
         judge_id: str = "judge",
+        essential_gate: bool = False,
     ) -> None:
         self.judge = judge
         self.concurrency = concurrency
@@ -492,6 +522,7 @@ class RubricPipeline:
         self.observation_chars = observation_chars
         self.notes = protocol_notes
         self.judge_id = judge_id
+        self.essential_gate = essential_gate
         self.counts: Counter[str] = Counter()  # per-phase calls, retries, failures; read with `metrics()`
         self._task_cache: dict[tuple[str, ...], list[TaskCriterion]] = {}
         self._task_pending: dict[tuple[str, ...], asyncio.Task] = {}
@@ -599,13 +630,20 @@ class RubricPipeline:
     async def merge(
         self, task: str, s1: list[TaskCriterion], s2: list[list[RolloutCriterion]], rollouts: list[str]
     ) -> list[Criterion]:
-        """Union stage; on failure the deterministic merge of §4.6."""
+        """Union stage; on failure the deterministic merge of §4.6. A merged criterion whose title is that of an
+        essential candidate stays essential (D19), whatever the union's answer says."""
         candidates = [c for group in [s1, *s2] for c in group]
         if not candidates:
             return []
         messages = merge_messages(task, candidates, rollouts, self.notes)
         result = await self._ask("merge", messages, MergedCriteria, lambda r: (r.criteria, None))
-        return self._limit("merge", result) if result is not None else fallback_merge(s1, s2)
+        if result is None:
+            return fallback_merge(s1, s2)
+        essential = {normalize_title(c.title) for c in candidates if c.essential}
+        return [
+            c.model_copy(update={"essential": True}) if normalize_title(c.title) in essential else c
+            for c in self._limit("merge", result)
+        ]
 
     async def score(self, task: str, steps: str, criteria: list[Criterion]) -> tuple[list[int], list[str]] | None:
         """Scoring of one rollout; with k votes, Eq. 10 over the samples that parsed. After the last re-ask, missing
@@ -670,7 +708,11 @@ class RubricPipeline:
         verdicts = [None if s is None else s[0] for s in scored]
         evidence = [[] if s is None else s[1] for s in scored]
         surviving = discriminative_dropout(verdicts, len(merged))  # Eq. 1
-        rewards = [rubric_reward(v, surviving) for v in verdicts]  # Eq. 2
+        if self.essential_gate:  # D19: failing an outcome the instruction names scores -1
+            essential = [c.essential for c in merged]
+            rewards = [gated_rubric_reward(v, surviving, essential) for v in verdicts]
+        else:
+            rewards = [rubric_reward(v, surviving) for v in verdicts]  # Eq. 2
         return GroupResult(s1, s2, merged, verdicts, evidence, surviving, rewards)
 
     # -- sync entry points (run on the judge's background loop) -------------------------------------------------------
@@ -742,12 +784,17 @@ def group_metrics(results: Sequence[GroupResult]) -> dict[str, float]:
                 fails += v[c] == -1
     merged = sum(len(r.merged) for r in results)
     mean = sum(rewards) / len(rewards) if rewards else math.nan
+    failed_essential = [  # scored rollouts failing a surviving essential criterion (D19; gated when the gate is on)
+        any(r.merged[c].essential and v[c] == -1 for c in r.surviving) for r in results for v in r.verdicts if v
+    ]
     return {
         "draco/criteria_s1": sum(len(r.task_criteria) for r in results) / n,
         "draco/criteria_s2": sum(len(c) for r in results for c in r.rollout_criteria) / n,
         "draco/criteria_merged": merged / n,
         "draco/criteria_surviving": sum(len(r.surviving) for r in results) / n,
         "draco/dropout_rate": 1 - sum(len(r.surviving) for r in results) / merged if merged else math.nan,
+        "draco/criteria_essential": sum(r.merged[c].essential for r in results for c in r.surviving) / n,
+        "draco/essential_fail_rate": sum(failed_essential) / len(failed_essential) if failed_essential else math.nan,
         "draco/reward_mean": mean,
         "draco/reward_std": math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards)) if rewards else math.nan,
         "draco/na_rate": na / cells if cells else math.nan,
@@ -884,6 +931,7 @@ __all__ = [
     "extract_rollouts",
     "extract_task",
     "fallback_merge",
+    "gated_rubric_reward",
     "normalize_title",
     "render_steps",
     "render_task",

@@ -84,17 +84,17 @@ def test_shop_corruptions_skip_and_stop():
 
 
 def test_terminal_and_search_stops():
-    task = TerminalEnv.make_tasks("train", 1, seed=0, difficulty=1)[0]
-    env = TerminalEnv(1)
+    task = TerminalEnv.make_tasks("train", 1, seed=0, difficulty=0)[0]
+    env = TerminalEnv(0)
     env.reset(task)
     assert corrupt("stop", env, task, [], random.Random(0)) == "submit"
-    task = SearchEnv.make_tasks("train", 1, seed=0, difficulty=1)[0]
-    env = SearchEnv(1)
+    task = SearchEnv.make_tasks("train", 1, seed=0, difficulty=3)[0]  # level 3 (level 1 before the renumbering)
+    env = SearchEnv(3)
     env.reset(task)
     assert search_guess(task, []) == task["hops"][0]  # nothing read yet: the question's entity
     first_search = env.expert_action()
     observation = env.step(first_search)[0]
-    # level 1: the first hop's document ranks first and ends with the bridge entity (envs/search.py docstring)
+    # level 3: the first hop's document ranks first and ends with the bridge entity (envs/search.py docstring)
     assert search_guess(task, [{"action": first_search, "observation": observation}]) == task["hops"][1]
     transcript = [{"action": first_search, "observation": observation}]
     assert corrupt("skip", env, task, transcript, random.Random(0)) == f"answer[{task['hops'][1]}]"
@@ -143,7 +143,7 @@ def test_draco_reward_of_a_hand_built_shop_group():
 
 
 def test_run_setting_small():
-    args = Namespace(tasks=3, rollouts=6, group_sizes=[3, 6], main_group=6, seed=0)
+    args = Namespace(tasks=3, rollouts=6, group_sizes=[3, 6], main_group=6, seed=0, essential_gate=False)
     out = run_setting("shop", 0, 0.5, args)
     main = out["group_sizes"]["6"]
     assert main["groups"] == 3 and out["group_sizes"]["3"]["groups"] == 6

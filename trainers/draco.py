@@ -4,7 +4,9 @@ docs/methods/draco.md.
 Changes relative to GRPO:
 1. Outcome-blind reward: the environment's success is never used; `rewards.rubrics.DracoReward` builds one dynamic
    rubric per task group with a judge (S1 task rubric, S2 trajectory rubrics, union), scores every rollout
-   (+1 / −1 / 0), drops criteria nobody failed (Eq. 1) and rewards R = (p − f)/(p + f) (Eq. 2).
+   (+1 / −1 / 0), drops criteria nobody failed (Eq. 1) and rewards R = (p − f)/(p + f) (Eq. 2); with
+   `draco_essential_gate` (draco.md D19, a project option) a rollout failing a criterion the judge marked essential
+   (an outcome the instruction names) gets R = −1.
 2. Credit: a judge call per rollout with A ≠ 0 names the steps responsible for each surviving criterion; step quality
    Q and weight w (Eq. 4-6) redistribute A over the steps with the token sum A·N conserved (Eq. 7-8, credit-interface
    Eq. I-4, I-2). Rows without usable citations, with Σw = 0 or whose credit call failed keep the GRPO broadcast
@@ -23,7 +25,8 @@ redistribution, `# Eq. N` on the implementing lines, built on the shared credit 
 the judge factory, then `DRACOTrainer`.
 
 Logged metrics (besides the `credit/*` set of credit-interface §10):
-- `draco/criteria_s1|s2|merged|surviving`, `draco/dropout_rate`, `draco/reward_mean|std`, `draco/na_rate`,
+- `draco/criteria_s1|s2|merged|surviving|essential`, `draco/dropout_rate`, `draco/essential_fail_rate` (rollouts
+  failing an essential criterion: the ones D19's gate sets to −1), `draco/reward_mean|std`, `draco/na_rate`,
   `draco/fail_rate`, `draco/zero_std_groups`, `draco/groups_no_signal`, `draco/unscorable_rate`,
   `draco/groups_skipped`: the rubric stages (logged by the reward function);
 - `draco/override_rate`: credit verdicts that differ from the scoring verdict; `draco/credit_inert_rate`: credited
@@ -99,6 +102,14 @@ class DRACOConfig(AgentGRPOConfig):
         metadata={
             "help": "Q_j of a cited step: `ratio` P/(P+F) (draco.md Eq. 4), or `strict`: 0 if any FAIL cites it, else "
             "1 (draco.md D18, project option)."
+        },
+    )
+
+    draco_essential_gate: bool = field(
+        default=False,
+        metadata={
+            "help": "R = -1 for a rollout that fails a criterion the judge marked essential (an outcome the "
+            "instruction names, draco.md D19, project option); False: the paper's Eq. 2."
         },
     )
 
@@ -279,6 +290,7 @@ class DRACOTrainer(AgentGRPOTrainer):
             observation_chars=args.credit_observation_chars,
             protocol_notes=args.protocol_notes,
             judge_id=f"{args.judge_backend}:{args.judge_model or ''}",  # the S1 cache's judge identity (D9)
+            essential_gate=args.draco_essential_gate,  # D19
         )
         per_step = args.judge_backend == "self"  # D9: the self-judge changes every step, so S1 is regenerated
         self.draco_reward = DracoReward(self.pipeline, args.num_generations, per_step_identity=per_step)
