@@ -46,8 +46,10 @@ Difficulty levels:
   engine filters by price as at level 0, so each item's match is listed first. The query of the first item is copied
   from the instruction, that of each later item from the latest observation (the `add` that names it), the size
   from the query, and the coupon, needed at the last turn, appeared only in the first observation. Expert per item:
-  search, click, choose, add; then checkout (9 turns; `max_turns` 16).
-* 2 (long horizon, a list of 4 items): as level 1 with 16 items. Expert: 17 turns (`max_turns` 28).
+  search, click, choose, add; then checkout (9 turns; `max_turns` 16). An expert episode is about 320 tokens of the
+  tiny default's tokenizer (63 of them the prompt); `max_completion_length: 640` holds every episode of 16 turns.
+* 2 (long horizon, a list of 4 items): as level 1 with 16 items. Expert: 17 turns (`max_turns` 28), about 610 tokens
+  (93 the prompt); `max_completion_length: 896` keeps prompt and episode within the tiny default's 1024 positions.
 * 3 (content matching, for real models): 12 items, 4 results shown in random order, and the search engine ignores
   prices. Decoys are near misses sharing two of the three title words and twins above the price, so the agent must
   find the one listed item whose title and price fit the instruction. Expert: 4 turns.
