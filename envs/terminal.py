@@ -41,20 +41,39 @@ Reward: every step's `info` reports `assertions_passed` (P) and `assertions_tota
 turn has reward 0. The dense T1 reward P/S is computed elsewhere from `info`. Cutting an episode at `max_turns` is the
 agent loop's business; the last step's `info` then still carries P and A.
 
-Difficulty levels (`make_tasks(..., difficulty=)`)
+Difficulty levels (`make_tasks(..., difficulty=)`): 0 short; 1 and 2 long-horizon (10 and 15-18 expert turns) for the
+tiny default and for step-credit methods; 3 and 4 short, 4 for real models.
   0  one or two commands whose arguments are copied verbatim from the instruction, 1-3 assertions: "create a file
      named zeta.txt containing apple" -> `echo apple > zeta.txt`, `submit`. Learnable by the 0.15M-parameter default
      agent in minutes (positional copying only).
-  1  two or three commands (mkdir + mv, cp + append, rm -r + write, several echo/append), 4-6 assertions; the
+  1  a checklist of 8-9 small steps, 9-10 expert turns with `submit`, `max_turns` 16, 8-19 assertions. The
+     instruction lists the steps ("do these steps in order, then submit: read vault.txt; create the directory kappa;
+     copy omega.txt to kappa/photos.txt; ...; delete vault.txt; ...; write the code from vault.txt to report.log")
+     and, at these levels only, the first observation and every reply end with a `next: <step>` line naming the
+     expert's next command in words (after a mistake the step is named again, or the repair), so each command is a
+     positional copy from the latest observation: read F -> `cat F`, create the directory D -> `mkdir D`, write W to
+     F -> `echo W > F`, append W to F -> `echo W >> F`, copy A to B -> `cp A B`, rename A to B -> `mv A B`, move A
+     into D -> `mv A D/`, delete F -> `rm F`. The first step reads the key file, whose one word (a code from `CODES`,
+     used nowhere else) is shown by that `cat` only; a step in the second half deletes the key file, and the last
+     step writes the code into a new file: information shown only at turn 1, needed 7 or more turns later (until
+     the code is shown, the next step is reading it while its file still holds it). Every file a step touches has a
+     distractor beside it with the same stem and another extension (the key file's holds another code), checked
+     unchanged; each step works on its own paths, so a step's checks still hold after all later steps.
+  2  the same checklist with 14-17 steps (15-18 expert turns, `max_turns` 28, 14-43 assertions), the code needed 13
+     or more turns after it was shown.
+  3  two or three commands (mkdir + mv, cp + append, rm -r + write, several echo/append), 4-6 assertions; the
      arguments are still in the instruction.
-  2  the answer is not in the instruction and must be read from the file system first (count lines, look a value
+  4  the answer is not in the instruction and must be read from the file system first (count lines, look a value
      up, find the file holding a word, name a directory after a file's first line), 3-4 assertions. Meant for real
      models: it needs content matching, which tiny models do not learn.
-File names and contents are drawn per task from word lists; the split (`envs.base.split_of`) is decided by the
-instruction, so a train task and an eval task never share an instruction.
+Levels 3 and 4 were levels 1 and 2 before the long-horizon levels; they draw the same tasks as then (seeded by their
+old numbers). File names and contents are drawn per task from word lists; the split (`envs.base.split_of`) is decided
+by the instruction, so a train task and an eval task never share an instruction.
 
 The expert (`expert_action`) replays the task's canonical `solution` while the state is on its path (running its
-read commands once) and otherwise repairs the first failing assertion, so it also finishes from noisy states.
+read commands once) and otherwise repairs the first failing assertion, so it also finishes from noisy states. At the
+long levels it first reads the key file while the code has not been shown and the file holds it; it knows the code
+from the task, so it finishes even when the agent deleted the key unread (the agent then cannot).
 """
 
 from __future__ import annotations
@@ -84,6 +103,8 @@ CONTENT = [
     "meadow", "harbor", "castle", "rocket", "planet", "comet", "falcon", "tiger", "zebra", "panda", "koala", "otter",
     "walrus", "violet", "indigo", "amber", "coral",
 ]  # fmt: skip
+#: the code a long-horizon task shows once (`cat` at turn 1) and asks for again at the end; used nowhere else
+CODES = ["north", "south", "east", "west", "spring", "summer", "autumn", "winter", "ruby", "jade", "onyx", "pearl"]
 KEYS = ["host", "port", "user", "mode", "level", "color", "region", "owner", "theme", "limit", "shell", "editor"]
 EXTENSIONS = ["txt", "log", "md", "csv"]
 ASSERTION_KINDS = ("file_exists", "file_absent", "dir_exists", "file_equals", "file_contains", "line_count")
@@ -1014,7 +1035,7 @@ def _three_lines(rng: random.Random) -> dict:
     )
 
 
-# level 2: the answer must be read from the file system first --------------------------------------------------------
+# level 4 (level 2 before): the answer must be read from the file system first ----------------------------------------
 
 
 def _count_lines(rng: random.Random) -> dict:
@@ -1115,16 +1136,168 @@ def _head_dir(rng: random.Random) -> dict:
     )
 
 
+# levels 1 and 2: a long checklist of small steps, the terminal naming the next one -----------------------------------
+
+
+def _describe(command: str, memory: dict | None = None) -> str:
+    """The words that name a command in a checklist (its `next:` line); the inverse of the expert's command forms.
+
+    >>> _describe("echo apple >> logs/a.txt"), _describe("mv a.txt logs/"), _describe("mv a.txt b.md")
+    ('append apple to logs/a.txt', 'move a.txt into logs', 'rename a.txt to b.md')
+    >>> _describe("echo ruby > b.md", {"path": "k.txt", "code": "ruby"})
+    'write the code from k.txt to b.md'
+    """
+    match _argv(command):
+        case ["submit"]:
+            return "submit"
+        case ["cat", path]:
+            return f"read {path}"
+        case ["mkdir", path] | ["mkdir", "-p", path]:
+            return f"create the directory {path}"
+        case ["echo", word, ">", path] if memory and word == memory["code"]:
+            return f"write the code from {memory['path']} to {path}"
+        case ["echo", word, ">", path]:
+            return f"write {word} to {path}"
+        case ["echo", word, ">>", path]:
+            return f"append {word} to {path}"
+        case ["cp", src, dst]:
+            return f"copy {src} to {dst}"
+        case ["mv", src, dst] if dst.endswith("/"):
+            return f"move {src} into {dst[:-1]}"
+        case ["mv", src, dst]:
+            return f"rename {src} to {dst}"
+        case ["rm", path]:
+            return f"delete {path}"
+        case ["rm", "-r", path]:
+            return f"delete the directory {path}"
+        case ["touch", path]:
+            return f"create the empty file {path}"
+        case ["cd", "/"]:
+            return "go back to /"
+    return f"run {command}"
+
+
+#: per long-horizon level: the middle steps' count (besides the read, the first mkdir, deleting the key file and the
+#: final write of the code), the most turns an episode may take, and the step kinds drawn for the middle
+_CHECKLIST = {1: ((4, 5), 16), 2: ((10, 13), 28)}
+_STEP_KINDS = ("write", "append", "copy", "rename", "move", "delete", "mkdir")
+
+
+def _checklist(rng: random.Random, level: int) -> dict:
+    """A checklist task: read the key file (its code is shown once), many small steps each named in the instruction
+    and, one at a time, by the terminal's `next:` line, delete the key file, then write the code into a new file.
+
+    Every file a step reads or moves has a distractor beside it with the same stem and another extension (the key
+    file's holds another code); the checks keep each distractor unchanged. Each step works on its own paths, so a
+    step's checks still hold after every later step."""
+    stems = rng.sample(NAMES, len(NAMES))
+    extension = {}  # stem -> the extension its file got, so its distractor gets another
+
+    def new_file(stem: str) -> str:
+        extension[stem] = rng.choice(EXTENSIONS)
+        return f"{stem}.{extension[stem]}"
+
+    def distractor(stem: str) -> str:
+        return f"{stem}.{rng.choice([e for e in EXTENSIONS if e != extension[stem]])}"
+
+    key_stem = stems.pop()
+    key = new_file(key_stem)
+    code, decoy_code = rng.sample(CODES, 2)
+    decoy = distractor(key_stem)
+    files = {key: f"{code}\n", decoy: f"{decoy_code}\n"}
+    dirs = [stems.pop()]
+    solution = [f"cat {key}", f"mkdir {dirs[0]}"]
+    assertions = [_a("dir_exists", dirs[0])]
+    kept: list[str] = [decoy]  # distractors, checked unchanged
+
+    def existing() -> tuple[str, str]:
+        stem = stems.pop()
+        path, content = new_file(stem), _text(_lines(rng, 1, 2))
+        other = distractor(stem)
+        files[path], files[other] = content, _text(rng.sample([w for w in CONTENT if f"{w}\n" not in content], 2))
+        kept.append(other)
+        return path, content
+
+    def place(stem: str) -> str:
+        return f"{rng.choice(dirs)}/{new_file(stem)}" if rng.random() < 0.5 else new_file(stem)
+
+    lo, hi = _CHECKLIST[level][0]
+    kinds = [rng.choice(_STEP_KINDS) for _ in range(rng.randint(lo, hi))]
+    for kind in kinds:
+        if kind == "write":
+            path, word = place(stems.pop()), rng.choice(CONTENT)
+            solution.append(f"echo {word} > {path}")
+            assertions.append(_a("file_equals", path, content=word))
+        elif kind == "mkdir":
+            dirs.append(stems.pop())
+            solution.append(f"mkdir {dirs[-1]}")
+            assertions.append(_a("dir_exists", dirs[-1]))
+        else:
+            src, content = existing()
+            if kind == "append":
+                word = rng.choice([w for w in CONTENT if f"{w}\n" not in content])
+                solution.append(f"echo {word} >> {src}")
+                assertions.append(_a("file_equals", src, content=f"{content}{word}\n"))
+            elif kind == "copy":
+                dst = place(stems.pop())
+                solution.append(f"cp {src} {dst}")
+                assertions += [_a("file_equals", dst, content=content), _a("file_equals", src, content=content)]
+            elif kind == "rename":
+                dst = new_file(stems.pop())
+                solution.append(f"mv {src} {dst}")
+                assertions += [_a("file_absent", src), _a("file_equals", dst, content=content)]
+            elif kind == "move":
+                folder = rng.choice(dirs)
+                solution.append(f"mv {src} {folder}/")
+                assertions += [_a("file_absent", src), _a("file_equals", f"{folder}/{src}", content=content)]
+            else:  # delete
+                solution.append(f"rm {src}")
+                assertions.append(_a("file_absent", src))
+    # the key file goes in the second half of the middle steps, so the code is shown only turns before it is needed
+    at = rng.randint(2 + (len(kinds) + 1) // 2, len(solution))
+    solution.insert(at, f"rm {key}")
+    assertions.append(_a("file_absent", key))
+    target = place(stems.pop())
+    solution.append(f"echo {code} > {target}")
+    assertions.append(_a("file_equals", target, content=code))
+    assertions += [_a("file_equals", path, content=files[path]) for path in kept]
+    memory = {"path": key, "code": code, "decoy": decoy, "decoy_code": decoy_code}
+    steps = "; ".join(_describe(c, memory) for c in solution)
+    task = _task("checklist", f"do these steps in order, then submit: {steps}", files, solution, assertions)
+    return {**task, "memory": memory}
+
+
+def _checklist_short(rng: random.Random) -> dict:
+    return _checklist(rng, 1)
+
+
+def _checklist_long(rng: random.Random) -> dict:
+    return _checklist(rng, 2)
+
+
 LEVELS: dict[int, tuple[Callable[[random.Random], dict], ...]] = {
     0: (_write, _make_dir, _delete, _rename, _copy, _dir_and_file),
-    1: (_move_into, _copy_append, _dir_two_files, _clean_and_write, _three_lines),
-    2: (_count_lines, _key_value, _count_matches, _find_file, _head_dir),
+    1: (_checklist_short,),
+    2: (_checklist_long,),
+    3: (_move_into, _copy_append, _dir_two_files, _clean_and_write, _three_lines),
+    4: (_count_lines, _key_value, _count_matches, _find_file, _head_dir),
 }
+#: the number a level's tasks are seeded with: levels 3 and 4 were levels 1 and 2, and draw the same tasks as then
+_SEED_LEVEL = {3: 1, 4: 2}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The environment
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+CHECKLIST_SKILL = (
+    "Each reply of the terminal ends with next: <step>; run the one command it names, copying names exactly: read F "
+    "is cat F, create the directory D is mkdir D, write W to F is echo W > F, append W to F is echo W >> F, copy A "
+    "to B is cp A B, rename A to B is mv A B, move A into D is mv A D/, delete F is rm F. The code that cat shows "
+    "at the start is needed at the end, after its file is deleted: write the code from F to G is echo <code> > G. "
+    "Type submit when next says submit."
+)
 
 
 class TerminalEnv(Env):
@@ -1139,23 +1312,29 @@ class TerminalEnv(Env):
         "(mkdir -p for directories, echo <text> > <file> to write, >> to append, rm, cp, mv); one command per turn; "
         "type submit when every requirement holds."
     )
-    max_turns = 8
+    max_turns = 8  # levels 0, 3 and 4; the long-horizon levels set their own (`_CHECKLIST`)
 
     def __init__(self, difficulty: int = 0):
         super().__init__(difficulty)
+        if difficulty in _CHECKLIST:  # the long-horizon levels: their own budget and skill
+            self.max_turns = _CHECKLIST[difficulty][1]
+            self.skill = CHECKLIST_SKILL
         self.task: dict = {}
         self.shell = Shell()
         self.done = False
         self._history: list[str] = []
         self._plan: list[str] = []
         self._plan_states: list[tuple] = []
+        self._memory: dict | None = None  # a checklist task's key file and code (levels 1 and 2)
+        self._seen = False  # whether a command's output has shown the code
 
     @classmethod
     def make_tasks(cls, split: str, n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:
         check_split(split)
         if difficulty not in LEVELS:
             raise ValueError(f"difficulty must be one of {sorted(LEVELS)}, got {difficulty!r}")
-        rng = random.Random(f"terminal|{split}|{difficulty}|{seed}")
+        level = f"long{difficulty}" if difficulty in _CHECKLIST else _SEED_LEVEL.get(difficulty, difficulty)
+        rng = random.Random(f"terminal|{split}|{level}|{seed}")
         tasks: list[dict] = []
         seen: set[str] = set()
         for _ in range(100 * n + 1000):
@@ -1178,12 +1357,17 @@ class TerminalEnv(Env):
         self.done = False
         self._history = []
         self._plan = list(task.get("solution", []))
+        self._memory, self._seen = task.get("memory"), False
         scratch = self.shell.copy()
         self._plan_states = [scratch.snapshot()]
         for command in self._plan:
             scratch.run(command)
             self._plan_states.append(scratch.snapshot())
-        return f"Task: {task['instruction']}\n$ "
+        return f"Task: {task['instruction']}\n{self._next_line()}$ "
+
+    def _next_line(self) -> str:
+        """A checklist task's `next: <step>` line (the expert's next command in words), else ""."""
+        return f"next: {_describe(self._expert()[0], self._memory)}\n" if self._memory else ""
 
     def step(self, action: str) -> tuple[str, float, bool, dict]:
         if self.done:
@@ -1196,7 +1380,9 @@ class TerminalEnv(Env):
             return f"submitted: {passed}/{total} checks pass", float(info["success"]), True, info
         output = self.shell.run(command)
         self._history.append(command)
-        observation = (_truncate(output) + "\n" if output else "") + "$ "
+        if self._memory and self._memory["code"] in output.split():
+            self._seen = True
+        observation = (_truncate(output) + "\n" if output else "") + self._next_line() + "$ "
         return observation, 0.0, False, self._info(final=False)
 
     def state_key(self) -> str:
@@ -1217,6 +1403,9 @@ class TerminalEnv(Env):
         """(command, index of the command in the solution, or None when it is a repair or `submit`)."""
         if self.done:
             return "submit", None
+        memory = self._memory
+        if memory and not self._seen and memory["code"] in self.shell.files.get(_norm(memory["path"]), "").split():
+            return f"cat {q(memory['path'])}", 0  # a checklist's code is read first, while its file still holds it
         current = self.shell.snapshot()
         on_path = [k for k, state in enumerate(self._plan_states) if state == current]
         if on_path:
@@ -1225,7 +1414,7 @@ class TerminalEnv(Env):
             while first > 0 and self._plan_states[first - 1] == current:  # read-only steps just before k
                 first -= 1
             for i in range(first, k):
-                if self._plan[i] not in self._history:
+                if self._plan[i] not in self._history and not self._seen:  # a checklist's one read: the code shown
                     return self._plan[i], i
             if k < len(self._plan):
                 return self._plan[k], k
@@ -1318,6 +1507,12 @@ class TerminalEnv(Env):
                 options.append(wrong)
         if index is not None and index in changing:
             options += [self._plan[i] for i in changing if i > index][:1]  # a missing step
+        if self._memory:  # a checklist: read the distractor beside the key file, write the distractor's code
+            memory, argv = self._memory, _argv(expert)
+            if argv[:1] == ["cat"]:
+                options += [f"cat {q(memory['decoy'])}", base]
+            elif len(argv) == 4 and argv[1] == memory["code"]:
+                options.append(f"echo {q(memory['decoy_code'])} > {q(argv[3])}")
         return rng.choice(options)
 
     def _spoil(self, rng: random.Random) -> str:
@@ -1333,6 +1528,13 @@ class TerminalEnv(Env):
             expected = str(assertion.get("content", assertion.get("text", ""))).strip()
             return f"echo {rng.choice([w for w in CONTENT if w != expected and expected not in w])} > {path}"
         return f"rm {path}"
+
+
+def _argv(command: str) -> list[str]:
+    try:
+        return shlex.split(command)
+    except ValueError:
+        return []
 
 
 def _argument_roles(tokens: list[tuple[str, str]]) -> tuple[list[int], list[int]]:

@@ -19,9 +19,10 @@ import pytest
 
 import envs.terminal as terminal
 from envs.base import split_of
-from envs.terminal import ASSERTION_KINDS, CONTENT, KEYS, Shell, TerminalEnv, check_assertions
+from envs.terminal import ASSERTION_KINDS, CODES, CONTENT, KEYS, NAMES, Shell, TerminalEnv, check_assertions
 
-LEVELS = (0, 1, 2)
+LEVELS = (0, 1, 2, 3, 4)
+LONG = (1, 2)  # the long-horizon checklist levels
 READ_COMMANDS = ("wc", "grep", "head", "cat", "ls", "tail")
 
 
@@ -64,9 +65,13 @@ def test_tasks_are_distinct_json_and_well_formed(difficulty):
     for t in tasks:
         assert t["env"] == "terminal" and t["difficulty"] == difficulty and t["split"] == "eval"
         assert {a["kind"] for a in t["assertions"]} <= set(ASSERTION_KINDS)
-        lo, hi = (1, 3) if difficulty == 0 else (3, 6)
+        # levels 0, 3, 4: 1-3, 3-6, 3-6 assertions and 1-3 commands. Long levels: read, mkdir, 4-5 (level 2: 10-13)
+        # middle steps, rm of the key file, the code's write; a check each (the read none, a middle step 1 or 2 and
+        # 1 for its distractor), plus the key's decoy: level 1 has 1+4+3 = 8 to 1+5*3+3 = 19, level 2 14 to 43
+        lo, hi = {0: (1, 3), 1: (8, 19), 2: (14, 43)}.get(difficulty, (3, 6))
         assert lo <= len(t["assertions"]) <= hi, t
-        assert 1 <= len(t["solution"]) <= 3
+        lo, hi = {1: (8, 9), 2: (14, 17)}.get(difficulty, (1, 3))
+        assert lo <= len(t["solution"]) <= hi
         # the initial state is not already a solution
         start = Shell(t["files"], t["dirs"])
         assert not all(check_assertions(start.files, start.dirs, t["assertions"]))
@@ -92,10 +97,12 @@ def test_make_tasks_rejects_bad_arguments():
 
 
 def test_word_lists_make_greps_exact():
-    # a grep for one word must hit exactly the lines holding that word (level-2 tasks count and find by grep)
-    words = CONTENT + KEYS
+    # a grep for one word must hit exactly the lines holding that word (level-4 tasks count and find by grep), and a
+    # checklist's code is told from every other word it could be confused with
+    words = CONTENT + KEYS + CODES
     assert len(set(words)) == len(words)
     assert not [(a, b) for a in words for b in words if a != b and a in b]
+    assert not [(a, b) for a in CODES for b in NAMES if a in b or b in a]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -127,11 +134,11 @@ def test_expert_level0_copies_every_argument_from_the_instruction():
             assert {a for a in args if not a.startswith("-") and a not in (">", ">>")} <= words, command
 
 
-def test_level2_answer_is_in_the_output_of_the_read_command():
-    for task in TerminalEnv.make_tasks("train", 200, difficulty=2):
+def test_level4_answer_is_in_the_output_of_the_read_command():
+    for task in TerminalEnv.make_tasks("train", 200, difficulty=4):
         read, *writes = task["solution"]
         assert read.split()[0] in READ_COMMANDS
-        env = TerminalEnv(2)
+        env = TerminalEnv(4)
         env.reset(task)
         key = env.state_key()
         output, *_ = env.step(read)
@@ -192,9 +199,9 @@ def test_noisy_actions_cover_the_documented_mistakes():
     wrong_name = {s for s in seen if s.startswith(f"echo {word} > ")} - {expert}
     assert wrong_content and wrong_name
     assert seen == {"submit"} | wrong_content | wrong_name
-    move = next(t for t in TerminalEnv.make_tasks("train", 50, difficulty=1) if t["kind"] == "move_into")
+    move = next(t for t in TerminalEnv.make_tasks("train", 50, difficulty=3) if t["kind"] == "move_into")
     assert move["solution"][1] in noisy_samples(move)  # a skipped step: mv before mkdir
-    count = next(t for t in TerminalEnv.make_tasks("train", 50, difficulty=2) if t["kind"] == "count_lines")
+    count = next(t for t in TerminalEnv.make_tasks("train", 50, difficulty=4) if t["kind"] == "count_lines")
     guesses = noisy_samples(count) - {"submit"}  # instead of reading, write a wrong guess
     assert guesses and all(g.startswith("echo ") and g != count["solution"][1] for g in guesses)
 
@@ -216,7 +223,7 @@ def test_expert_recovers_from_noisy_states(difficulty):
     for task in TerminalEnv.make_tasks("train", 100, seed=2, difficulty=difficulty):
         env = TerminalEnv(difficulty)
         env.reset(task)
-        for turn in range(20):
+        for turn in range(env.max_turns if difficulty in LONG else 20):  # the long levels: within their budget
             action = env.expert_action()
             if turn < 4 and rng.random() < 0.5:
                 action = env.noisy_action(rng)
@@ -228,8 +235,8 @@ def test_expert_recovers_from_noisy_states(difficulty):
 
 
 def test_assertion_count_tracks_progress():
-    env = TerminalEnv(1)
-    task = next(t for t in TerminalEnv.make_tasks("train", 50, difficulty=1) if t["kind"] == "three_lines")
+    env = TerminalEnv(3)
+    task = next(t for t in TerminalEnv.make_tasks("train", 50, difficulty=3) if t["kind"] == "three_lines")
     env.reset(task)
     counts = [env.step(c)[3]["assertions_passed"] for c in task["solution"]]
     # after line 1: exists + contains w1; line 2: + contains w2; line 3: + line_count + contains w3 + equals
@@ -263,6 +270,203 @@ def test_check_assertions_kinds():
         True,
         False,
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The long-horizon levels (1 and 2): a checklist named one step at a time, a code needed long after it was shown
+# ---------------------------------------------------------------------------------------------------------------------
+
+# the first training task of level 1 (seed 0); its checks and episode below are worked out by hand from these files
+LEVEL1_STEPS = [
+    "read vault.txt", "create the directory kappa", "copy omega.txt to kappa/photos.txt",
+    "rename docs.txt to assets.csv", "write desert to inbox.txt", "delete vault.txt", "move orders.log into kappa",
+    "rename images.md to archive.log", "write the code from vault.txt to report.log",
+]  # fmt: skip
+LEVEL1_FILES = {
+    "vault.txt": "east\n", "vault.md": "south\n", "omega.txt": "ready\ncopper\n", "omega.log": "amber\ndesert\n",
+    "docs.txt": "mango\ncopper\n", "docs.log": "ready\ncanyon\n", "orders.log": "coral\nurgent\n",
+    "orders.md": "desert\ncherry\n", "images.md": "apple\nbanana\n", "images.txt": "marble\nolive\n",
+}  # fmt: skip
+LEVEL1_COMMANDS = [
+    "cat vault.txt", "mkdir kappa", "cp omega.txt kappa/photos.txt", "mv docs.txt assets.csv",
+    "echo desert > inbox.txt", "rm vault.txt", "mv orders.log kappa/", "mv images.md archive.log",
+    "echo east > report.log",
+]  # fmt: skip
+
+
+def _a(kind: str, path: str, content: str) -> dict:
+    return {"kind": kind, "path": path, "content": content}
+
+
+def level1_task() -> dict:
+    return TerminalEnv.make_tasks("train", 1, seed=0, difficulty=1)[0]
+
+
+def test_level1_task_is_the_checklist_worked_out_by_hand():
+    task = level1_task()
+    assert task["instruction"] == "do these steps in order, then submit: " + "; ".join(LEVEL1_STEPS)
+    assert task["files"] == LEVEL1_FILES and task["solution"] == LEVEL1_COMMANDS
+    assert task["memory"] == {"path": "vault.txt", "code": "east", "decoy": "vault.md", "decoy_code": "south"}
+    e = "file_equals"
+    expected = [
+        ("dir_exists", "kappa", None),
+        (e, "kappa/photos.txt", "ready\ncopper\n"), (e, "omega.txt", "ready\ncopper\n"),  # copy: both copies
+        ("file_absent", "docs.txt", None), (e, "assets.csv", "mango\ncopper\n"),  # rename
+        (e, "inbox.txt", "desert"),
+        ("file_absent", "orders.log", None), (e, "kappa/orders.log", "coral\nurgent\n"),  # move
+        ("file_absent", "images.md", None), (e, "archive.log", "apple\nbanana\n"),
+        ("file_absent", "vault.txt", None),  # the key file goes
+        (e, "report.log", "east"),  # the code, shown only by the first command
+        # the distractors beside the key and the files the steps touch stay as they were
+        (e, "vault.md", "south\n"), (e, "omega.log", "amber\ndesert\n"), (e, "docs.log", "ready\ncanyon\n"),
+        (e, "orders.md", "desert\ncherry\n"), (e, "images.txt", "marble\nolive\n"),
+    ]  # fmt: skip
+    got = [(a["kind"], a["path"], a.get("content")) for a in task["assertions"]]
+    assert sorted(got, key=str) == sorted(expected, key=str)
+
+
+def test_level1_hand_played_episode():
+    task = level1_task()
+    env = TerminalEnv(1)
+    assert env.reset(task) == f"Task: {task['instruction']}\nnext: read vault.txt\n$ "
+    # checks passing before each command's effect: the 5 distractors and omega.txt (the copy's source) hold at start;
+    # then mkdir +1, cp +1, mv +2 (absent, equals), echo +1, rm +1, mv +2, mv +2, the code +1: 17 of 17
+    passed = [6, 7, 8, 10, 11, 12, 14, 16, 17]
+    outputs = ["east\n"] + [""] * 8
+    for k, command in enumerate(LEVEL1_COMMANDS):
+        assert env.expert_action() == command
+        observation, reward, done, info = env.step(command)
+        following = LEVEL1_STEPS[k + 1] if k + 1 < len(LEVEL1_STEPS) else "submit"
+        assert observation == f"{outputs[k]}next: {following}\n$ ", command
+        assert (reward, done, info) == (0.0, False, {"assertions_passed": passed[k], "assertions_total": 17,
+                                                     "success": False})  # fmt: skip
+    assert env.expert_action() == "submit"
+    assert env.step("submit") == ("submitted: 17/17 checks pass", 1.0, True,
+                                  {"assertions_passed": 17, "assertions_total": 17, "success": True})  # fmt: skip
+
+
+def test_level1_next_line_follows_mistakes():
+    task = level1_task()
+    env = TerminalEnv(1)
+    env.reset(task)
+    # reading the distractor beside the key shows another code: the step stays
+    observation, _, _, info = env.step("cat vault.md")
+    assert observation == "south\nnext: read vault.txt\n$ " and info["assertions_passed"] == 6
+    # skipping the read: the step done, but the code must still be read while its file holds it
+    assert env.step("mkdir kappa")[0] == "next: read vault.txt\n$ "
+    assert env.step("cat vault.txt")[0] == "east\nnext: copy omega.txt to kappa/photos.txt\n$ "
+    env.step("cp omega.txt kappa/photos.txt")
+    env.step("mv docs.txt assets.csv")
+    # a wrong word: the same step again, and copying it repairs the file
+    assert env.step("echo desrt > inbox.txt")[0] == "next: write desert to inbox.txt\n$ "
+    assert env.step("echo desert > inbox.txt")[0] == "next: delete vault.txt\n$ "
+    for command in LEVEL1_COMMANDS[5:8]:
+        env.step(command)
+    # the code written from the wrong file fails its check and is named again; the code itself is never shown
+    observation, _, _, info = env.step("echo south > report.log")
+    assert observation == "next: write the code from vault.txt to report.log\n$ " and info["assertions_passed"] == 16
+    assert "east" not in observation and not any("east" in c.split() for c in env.shell.files.values())
+    assert env.step("echo east > report.log")[3]["assertions_passed"] == 17
+
+
+def test_level1_key_deleted_before_it_was_read_leaves_the_code_unknowable():
+    task = level1_task()
+    env = TerminalEnv(1)
+    env.reset(task)
+    env.step("rm vault.txt")  # the info is gone: the next line moves on and never shows it
+    observations = [env.step(c)[0] for c in LEVEL1_COMMANDS[1:5] + LEVEL1_COMMANDS[6:8]]
+    assert observations[-1] == "next: write the code from vault.txt to report.log\n$ "
+    assert not any("east" in o.split() for o in observations)
+    assert env.expert_action() == "echo east > report.log"  # the expert knows the task; the agent cannot
+
+
+# the first training task of level 2 (seed 0): the commands translated by hand from its instruction
+LEVEL2_COMMANDS = [
+    "cat tests.md", "mkdir output", "mv cache.log output/", "mkdir assets", "mkdir config", "mkdir alpha",
+    "mv zeta.txt assets/", "mkdir videos", "mv sigma.csv output/", "echo tiger >> kappa.md",
+    "echo desert > results.csv", "rm tests.md", "mv gamma.txt beta.log", "echo cherry >> drafts.csv",
+    "echo walrus >> notes.txt", "mkdir invoices", "echo winter > queue.md",
+]  # fmt: skip
+
+
+def test_level2_hand_played_episode():
+    task = TerminalEnv.make_tasks("train", 1, seed=0, difficulty=2)[0]
+    steps = task["instruction"].removeprefix("do these steps in order, then submit: ").split("; ")
+    assert steps == [
+        "read tests.md", "create the directory output", "move cache.log into output", "create the directory assets",
+        "create the directory config", "create the directory alpha", "move zeta.txt into assets",
+        "create the directory videos", "move sigma.csv into output", "append tiger to kappa.md",
+        "write desert to results.csv", "delete tests.md", "rename gamma.txt to beta.log",
+        "append cherry to drafts.csv", "append walrus to notes.txt", "create the directory invoices",
+        "write the code from tests.md to queue.md",
+    ]  # fmt: skip
+    assert task["files"]["tests.md"] == "winter\n" and task["files"]["tests.log"] == "summer\n"  # key and decoy
+    env = TerminalEnv(2)
+    assert env.max_turns == 28 and env.reset(task).endswith("\nnext: read tests.md\n$ ")
+    observations = []
+    for k, command in enumerate(LEVEL2_COMMANDS):
+        assert env.expert_action() == command
+        observation, reward, done, info = env.step(command)
+        observations.append(observation)
+        assert observation.endswith(f"next: {(steps + ['submit'])[k + 1]}\n$ ") and not done
+    assert observations[0] == "winter\nnext: create the directory output\n$ "
+    # the code shows once, at turn 1, 16 turns before it is written; by then no file holds it
+    assert [k for k, o in enumerate(observations) if "winter" in o.split()] == [0]
+    assert "winter" not in task["instruction"].split()
+    assert info["assertions_passed"] == info["assertions_total"] == len(task["assertions"])
+    assert env.step("submit")[1:3] == (1.0, True)
+    assert env.privileged(task) == "Plan: " + " | ".join([*LEVEL2_COMMANDS, "submit"])
+
+
+@pytest.mark.parametrize(("difficulty", "turns", "gap"), [(1, (9, 10), 7), (2, (15, 18), 13)])
+def test_long_levels_turns_distractors_and_the_early_code(difficulty, turns, gap):
+    """On 100 tasks: the expert's turns, the distractor beside every file a step touches, the code shown once and
+    needed at the end (at least `gap` turns later: read first, the write last, the key file deleted in between)."""
+    for task in TerminalEnv.make_tasks("eval", 100, seed=1, difficulty=difficulty):
+        memory, solution = task["memory"], task["solution"]
+        env = TerminalEnv(difficulty)
+        assert turns[0] <= len(play_expert(task)) <= turns[1] < env.max_turns
+        assert solution[0] == f"cat {memory['path']}" and solution[-1].split()[1] == memory["code"]
+        assert len(solution) - 1 >= gap and solution.index(f"rm {memory['path']}") >= len(solution) // 2
+        assert memory["code"] not in task["instruction"].split()
+        assert [p for p, c in task["files"].items() if memory["code"] in c.split()] == [memory["path"]]
+        assert task["files"][memory["decoy"]] == f"{memory['decoy_code']}\n" and memory["decoy_code"] in CODES
+        stems = [p.partition(".")[0] for p in task["files"]]
+        assert all(stems.count(s) == 2 for s in stems)  # each file has its distractor: same stem, other extension
+        named = {w for c in solution for w in shlex.split(c)}
+        distractors = [p for p in task["files"] if p not in named]  # no step names them: they must stay as they are
+        assert len(distractors) == len(task["files"]) // 2
+        assert all(_a("file_equals", p, task["files"][p]) in task["assertions"] for p in distractors)
+
+
+def test_long_levels_noisy_actions_include_the_wrong_file_and_the_wrong_code():
+    task = level1_task()
+    assert "cat vault.md" in noisy_samples(task)  # the distractor beside the key
+    assert "mkdir kappa" in noisy_samples(task)  # skipping the read
+    assert "echo south > report.log" in noisy_samples(task, prefix=8)  # the code read from the distractor
+
+
+def test_long_levels_skill_and_budget():
+    assert TerminalEnv(1).skill == TerminalEnv(2).skill != TerminalEnv.skill
+    assert TerminalEnv(0).skill == TerminalEnv(3).skill == TerminalEnv(4).skill == TerminalEnv.skill
+    assert "next:" in TerminalEnv(1).skill and "echo <code> > G" in TerminalEnv(1).skill
+    assert [TerminalEnv(d).max_turns for d in LEVELS] == [8, 16, 28, 8, 8]
+    assert TerminalEnv.max_turns == 8
+
+
+def test_renumbered_levels_draw_the_tasks_of_old_levels_1_and_2():
+    # the first training tasks (seed 0) that levels 1 and 2 drew before the long-horizon levels
+    assert TerminalEnv.make_tasks("train", 1, difficulty=3)[0]["instruction"] == (
+        "move summary.md into a new directory invoices"
+    )
+    assert TerminalEnv.make_tasks("train", 1, difficulty=4)[0]["instruction"] == (
+        "write the number of lines in notes.md to videos.csv"
+    )
+    tasks = TerminalEnv.make_tasks("eval", 20, difficulty=3)
+    assert all(t["difficulty"] == 3 and t["task_id"].startswith("terminal-d3-") and "memory" not in t for t in tasks)
+    env = TerminalEnv(3)
+    assert env.reset(tasks[0]) == f"Task: {tasks[0]['instruction']}\n$ "  # no next line below the long levels
+    assert env.step("ls")[0].endswith("\n$ ") and "next:" not in env.step("ls")[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -313,8 +517,8 @@ def test_all_assertions_passing_is_not_success_before_submit():
 
 
 def test_state_key():
-    task = TerminalEnv.make_tasks("train", 1, difficulty=1)[0]
-    a, b = TerminalEnv(1), TerminalEnv(1)
+    task = TerminalEnv.make_tasks("train", 1, difficulty=3)[0]
+    a, b = TerminalEnv(3), TerminalEnv(3)
     a.reset(task)
     b.reset(task)
     start = a.state_key()
