@@ -165,3 +165,24 @@ def test_oracle_marks_the_shops_outcome_checks_essential_and_gates_a_purchase_wi
     reward = DracoReward(RubricPipeline(OracleJudge([task]), essential_gate=True), group_size=3)
     # success 1; no size: -1 (Eq. 2 gave 0.6, tests/test_draco_reward_bench.py); nothing bought: -1
     assert reward(firsts, [""] * 3, transcript=transcripts, task_id=[task["task_id"]] * 3) == [1.0, -1.0, -1.0]
+
+
+def test_trainer_smoke_with_the_gate(tiny_model_folder, tiny_tokenizer, tmp_path, monkeypatch):
+    from tests.test_draco import DATA, SHOP_TASKS, Probe, check_batches, config, scripted_policy
+    from trainers import agent_loop
+
+    monkeypatch.setattr(agent_loop, "hf_generate", scripted_policy(p_expert=0.6))
+    trainer = Probe(
+        model=tiny_model_folder, args=config(tmp_path, draco_essential_gate=True), train_dataset=DATA,
+        processing_class=tiny_tokenizer, env_factory=lambda row: ShopEnv(), judge=OracleJudge(SHOP_TASKS),
+    )  # fmt: skip
+    assert trainer.pipeline.essential_gate is True
+    trainer.train()
+    check_batches(trainer)
+    records = trainer.draco_reward.last  # the last step's rows: C* with the flags, scoring verdicts, reward
+    gated = [any(c.essential and v == -1 for c, v in zip(r.criteria, r.verdicts, strict=True)) for r in records]
+    assert any(gated) and not all(gated)
+    eq2 = [rubric_reward(r.verdicts, range(len(r.verdicts))) for r in records]
+    for r, g, plain in zip(records, gated, eq2, strict=True):
+        assert r.reward == (-1.0 if g else plain)
+    assert any(g and plain > -1.0 for g, plain in zip(gated, eq2, strict=True))  # the gate changed some reward
