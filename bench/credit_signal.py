@@ -3,6 +3,7 @@ default at the start of training.
 
     python bench/credit_signal.py                                  # TASPO and AlignOPSD on shop and search
     python bench/credit_signal.py --methods taspo --envs shop --batches 1 --out /tmp/credit_signal   # a quick look
+    python bench/credit_signal.py --tiny_guidance_frac 0.5 --out bench/results/credit_signal_guided  # another build
 
 For each method and environment, the method's trainer is built from its shipped recipe (`configs/<method>_<env>.yaml`,
 parsed and built as train.py does: 8 tasks x 8 rollouts per generation batch) on the tiny default agent, and plays
@@ -46,10 +47,10 @@ from trainers import TRAINERS  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build(method: str, env: str, seed: int, workdir: str):
+def build(method: str, env: str, seed: int, workdir: str, extra: list[str] = ()):
     """The trainer of `configs/<method>_<env>.yaml`, parsed and built exactly as train.py builds it (no evaluation,
-    no training), and its environment source."""
-    argv = ["--config", str(ROOT / "configs" / f"{method}_{env}.yaml"), "--seed", str(seed)]
+    no training), and its environment source; `extra`: more command-line fields (e.g. `--tiny_guidance_frac 0.5`)."""
+    argv = ["--config", str(ROOT / "configs" / f"{method}_{env}.yaml"), "--seed", str(seed), *extra]
     argv += ["--output_dir", os.path.join(workdir, f"{method}_{env}"), "--report_to", "none"]
     run, config, model_args, trainer_cls = train.parse(argv)
     sources = load_sources(run, config)
@@ -76,8 +77,8 @@ def expert_labels(source, row: dict, transcript: list[dict]) -> list[bool]:
     return labels
 
 
-def measure(method: str, env: str, batches: int, seed: int, workdir: str) -> dict:
-    trainer, sources = build(method, env, seed, workdir)
+def measure(method: str, env: str, batches: int, seed: int, workdir: str, extra: list[str] = ()) -> dict:
+    trainer, sources = build(method, env, seed, workdir, extra)
     source = sources.environment
     trainer.args.max_steps, trainer.args.learning_rate = batches, 0.0  # every batch is played by the SFT start
     trainer.args.logging_steps = batches
@@ -125,6 +126,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--envs", nargs="+", default=["shop", "search"], choices=["shop", "search"])
     parser.add_argument("--batches", type=int, default=3, help="generation batches (8 tasks x 8 rollouts) each")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tiny_guidance_frac",
+        type=float,
+        default=None,
+        help="build the tiny default with this share of guidance demonstrations (default: the recipe's)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "credit_signal")
     opts = parser.parse_args(argv)
     results: dict[str, dict] = {}
@@ -141,7 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         for env in opts.envs:
             for name in opts.methods:
-                results[f"{name}/{env}"] = measure(name, env, opts.batches, opts.seed, workdir)
+                extra = (
+                    [] if opts.tiny_guidance_frac is None else ["--tiny_guidance_frac", str(opts.tiny_guidance_frac)]
+                )
+                results[f"{name}/{env}"] = measure(name, env, opts.batches, opts.seed, workdir, extra)
                 print(name, env, results[f"{name}/{env}"], file=sys.stderr)
     lines = [
         "| method | environment | ordering share (0.5: none) | pairs | A > 0: expert / other turns | "
