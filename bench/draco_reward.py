@@ -1,6 +1,6 @@
 """Does DRACO's outcome-blind reward lead to success? Its rubric reward against the environment's success, offline.
 
-    python bench/draco_reward.py                          # shop, search, terminal at levels 0 and 1, p 0.3 / 0.5 / 0.7
+    python bench/draco_reward.py                          # shop, search, terminal at levels 0 and 3, p 0.3 / 0.5 / 0.7
     python bench/draco_reward.py --essential-gate --out bench/results/draco_reward_essential_gate   # draco.md D19
     python bench/draco_reward.py --envs shop --levels 0 --tasks 20 --out /tmp/draco_reward   # a quick look
 
@@ -698,7 +698,9 @@ def rounded(x: object, digits: int = 4) -> object:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--envs", nargs="+", default=["shop", "search", "terminal"], choices=sorted(ENVIRONMENTS))
-    parser.add_argument("--levels", nargs="+", type=int, default=[0, 1])
+    parser.add_argument(  # level 3 was numbered 1 before the long-horizon levels 1 and 2 came (same tasks)
+        "--levels", nargs="+", type=int, default=[0, 3]
+    )
     parser.add_argument("--noise", nargs="+", type=float, default=[0.3, 0.5, 0.7], help="corruption p per turn")
     parser.add_argument("--tasks", type=int, default=100)
     parser.add_argument("--rollouts", type=int, default=12, help="rollouts per task; every G must divide it")
