@@ -44,6 +44,9 @@ class Env:
     observation_role: str = "user"
     #: bump when the text of demonstrations changes: it is part of the tiny default's cache key (`envs.tiny`)
     demo_version: int = 0
+    #: per difficulty, a version that replaces `demo_version` in that level's key, for a level whose tasks changed
+    #: alone (a cached build of the level as it was is then never reused)
+    level_demo_versions: dict[int, int] = {}
     #: SFT steps the tiny default needs here (None: `envs.tiny.TinySpec.sft_steps`, 300)
     tiny_sft_steps: int | None = None
     #: JSON schemas of the tools rendered into the prompt by the chat template, or None for plain text actions

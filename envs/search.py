@@ -344,6 +344,7 @@ class SearchEnv(Env):
     )
     max_turns = 6  # levels 0, 3 and 4; the long-horizon levels set their own (`_LONG_MAX_TURNS`)
     demo_version = 1  # 1: level-0 names from NAME_POOL
+    level_demo_versions = {1: 2, 2: 2}  # 2: levels 1 and 2 are the road chains (the two-hop ones are 3 and 4)
     # after 300 SFT steps the tiny default copied no name (held-out success 0.0 sampled and greedy); after 900:
     # 0.09 sampled, 0.48 greedy on 100 eval tasks
     tiny_sft_steps = 900

@@ -140,14 +140,16 @@ class TinySpec:
         return environment_class(self.env, json.loads(self.env_kwargs) if self.env_kwargs else None)
 
     def key(self) -> str:
-        """Hash of the settings, of the environment's `demo_version` (left out while 0, so keys made before it
-        existed stay valid) and, for a class named by import path, of the file that defines it."""
+        """Hash of the settings, of the environment's `demo_version` (its `level_demo_versions` entry for the level
+        when it has one; left out while 0, so keys made before it existed stay valid) and, for a class named by import
+        path, of the file that defines it."""
         settings = asdict(self)
         for optional in ("privileged_frac", "guidance_frac", "env_kwargs"):
             if not settings[optional]:
                 del settings[optional]
         env_cls = self.env_class()
         demo_version = getattr(env_cls, "demo_version", 0)
+        demo_version = getattr(env_cls, "level_demo_versions", {}).get(self.difficulty, demo_version)
         if demo_version:
             settings["demo_version"] = demo_version
         if is_import_path(self.env):  # an edited class (its text, its expert) rebuilds

@@ -24,6 +24,29 @@ def test_cache_key_follows_settings_and_demo_version(monkeypatch):
     assert TinySpec.parse("tiny:search").key() != before  # changed demonstrations never reuse an old build
 
 
+def test_a_level_whose_tasks_changed_alone_has_its_own_key():
+    def key(settings: dict) -> str:
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+    base = dict(env="shop", moe=False, hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)
+    base.update(num_experts=8, experts_per_token=2, max_positions=1024, vocab_size=1024, num_demos=2000, noise=0.3)
+    base.update(sft_steps=300, sft_batch_size=32, sft_lr=3e-3, seed=0, version=2)
+    # the shopping-list levels 1 and 2 carry version 1: a build of the former level 1 or 2 (keyed without it) is
+    # never taken for them; levels 0, 3 and 4 keep keys without a version
+    for level in (1, 2):
+        old = key(base | {"difficulty": level})
+        assert TinySpec.parse("tiny:shop", difficulty=level).key() == key(
+            base | {"difficulty": level, "demo_version": 1}
+        )
+        assert TinySpec.parse("tiny:shop", difficulty=level).key() != old
+    for level in (0, 3, 4):
+        assert TinySpec.parse("tiny:shop", difficulty=level).key() == key(base | {"difficulty": level})
+    # search: the class's version 1 everywhere but at the road-chain levels, 2
+    search = base | {"env": "search", "sft_steps": 900}
+    assert TinySpec.parse("tiny:search", difficulty=1).key() == key(search | {"difficulty": 1, "demo_version": 2})
+    assert TinySpec.parse("tiny:search", difficulty=3).key() == key(search | {"difficulty": 3, "demo_version": 1})
+
+
 def test_environment_sets_its_sft_steps_unless_overridden():
     assert TinySpec.parse("tiny:shop").sft_steps == TinySpec.sft_steps == 300
     assert TinySpec.parse("tiny:search").sft_steps == SearchEnv.tiny_sft_steps == 900
