@@ -317,6 +317,12 @@ class OracleJudge(BaseJudge):
     def add_tasks(self, tasks: Iterable[Mapping[str, Any]]) -> None:
         for task in tasks:
             task = json.loads(task) if isinstance(task, str) else dict(task)
+            if task.get("env") == "shop" and "targets" in task and "shop" in self.checks:
+                raise ValueError(
+                    "the oracle judge has no checks for the shop's shopping lists (difficulty "
+                    f"{task.get('difficulty')}, one purchase per list item): use difficulty 0, 3 or 4, or an API "
+                    "judge (judge_backend: openai)"
+                )
             self.tasks[instruction_key(task["instruction"])] = task
 
     def find_task(self, prompt: str) -> dict | None:

@@ -570,3 +570,15 @@ def test_trainer_smoke_http_judge_with_faults(tiny_model_folder, tiny_tokenizer,
     assert first["draco/judge_retries"] >= 2 and first["draco/judge_parse_failures"] >= 1  # faults were met
     assert first["draco/judge_calls/credit"] > 0  # ... and credit still ran on the healthy answers
     assert second["draco/judge_unscorable"] > 0 and all((b.advantages == 0).all() for b, _, _ in trainer.seen[1:])
+
+
+def test_the_oracle_judge_refuses_shopping_lists_and_the_analyzer_takes_them():
+    from envs.shop import ShopEnv
+    from rewards.analyzer import OracleAnalyzer
+    from rewards.oracle import OracleJudge
+
+    lists = ShopEnv.make_tasks("train", 2, seed=0, difficulty=1)
+    with pytest.raises(ValueError, match=r"no checks for the shop's shopping lists \(difficulty 1,"):
+        OracleJudge(lists)
+    assert len(OracleJudge(ShopEnv.make_tasks("train", 2, seed=0, difficulty=3)).tasks) == 2
+    assert len(OracleAnalyzer(lists).tasks) == 2  # TASPO's oracle replays the expert: any level
