@@ -1313,6 +1313,7 @@ class TerminalEnv(Env):
         "type submit when every requirement holds."
     )
     max_turns = 8  # levels 0, 3 and 4; the long-horizon levels set their own (`_CHECKLIST`)
+    level_demo_versions = {1: 1, 2: 1}  # 1: levels 1 and 2 are the checklists (a build of the former 1 or 2 is stale)
 
     def __init__(self, difficulty: int = 0):
         super().__init__(difficulty)
