@@ -24,6 +24,14 @@ class MixedEnv(Env):
     tiny_sft_steps = 1500
     #: changes when any part's demonstrations change (part of the tiny default's cache key)
     demo_version = ShopEnv.demo_version * 10_000 + SearchEnv.demo_version * 100 + TerminalEnv.demo_version
+    #: the same per level, from each part's own version of it (`Env.level_demo_versions`)
+    level_demo_versions = {
+        level: sum(
+            part.level_demo_versions.get(level, part.demo_version) * weight
+            for part, weight in ((ShopEnv, 10_000), (SearchEnv, 100), (TerminalEnv, 1))
+        )
+        for level in sorted(set().union(*(part.level_demo_versions for part in (ShopEnv, SearchEnv, TerminalEnv))))
+    }
 
     def __init__(self, difficulty: int = 0):
         super().__init__(difficulty)

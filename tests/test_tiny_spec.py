@@ -62,3 +62,14 @@ def test_search_level_0_names_come_from_the_pool():
         for subject, _, obj in task["facts"]:
             words = [w for w in f"{subject} {obj}".split() if w[0].isupper()]
             assert words and set(words) <= pool
+
+
+def test_the_mixed_pool_versions_each_level_from_its_parts(monkeypatch):
+    from envs.mixed import MixedEnv
+
+    # shop 0 / search 1 / terminal 0 at levels 0, 3, 4; at 1 and 2 shop 1, search 2, terminal 1 (their long levels)
+    assert MixedEnv.demo_version == 0 * 10_000 + 1 * 100 + 0
+    assert MixedEnv.level_demo_versions == {1: 10_201, 2: 10_201}
+    now = TinySpec.parse("tiny:mixed", difficulty=1).key()
+    monkeypatch.setattr(MixedEnv, "level_demo_versions", {})  # as keyed before the long levels
+    assert TinySpec.parse("tiny:mixed", difficulty=1).key() != now
