@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import hashlib
 import json
 import os
 import random
@@ -453,23 +452,6 @@ def test_long_levels_skill_and_budget():
     assert "next:" in TerminalEnv(1).skill and "echo <code> > G" in TerminalEnv(1).skill
     assert [TerminalEnv(d).max_turns for d in LEVELS] == [8, 16, 28, 8, 8]
     assert TerminalEnv.max_turns == 8
-
-
-def test_tiny_default_keys_never_reuse_a_build_of_the_former_levels_1_and_2():
-    from envs.tiny import TinySpec
-
-    def key(settings: dict) -> str:
-        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-
-    base = dict(env="terminal", moe=False, hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)
-    base.update(num_experts=8, experts_per_token=2, max_positions=1024, vocab_size=1024, num_demos=2000, noise=0.3)
-    base.update(sft_steps=300, sft_batch_size=32, sft_lr=3e-3, seed=0, version=2)
-    for level in (1, 2):  # keyed with version 1: the former level's build (keyed without it) is never taken
-        assert TinySpec.parse("tiny:terminal", difficulty=level).key() == key(
-            base | {"difficulty": level, "demo_version": 1}
-        )
-    for level in (0, 3, 4):  # no version: level 0 keeps its key (a build of the former 1 or 2 was keyed 1 or 2)
-        assert TinySpec.parse("tiny:terminal", difficulty=level).key() == key(base | {"difficulty": level})
 
 
 def test_renumbered_levels_draw_the_tasks_of_old_levels_1_and_2():

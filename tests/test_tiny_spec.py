@@ -8,15 +8,21 @@ import pytest
 from envs.search import NAME_POOL, SearchEnv
 from envs.tiny import TinySpec
 
+#: the default build's settings, written out by hand (a change here rebuilds every cached tiny default)
+DEFAULTS = dict(moe=False, hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256, num_experts=8)
+DEFAULTS.update(experts_per_token=2, max_positions=1024, vocab_size=1024, num_demos=2000, noise=0.3, sft_steps=300)
+DEFAULTS.update(sft_batch_size=32, sft_lr=3e-3, seed=0, version=2)
+
+
+def hand_key(**settings) -> str:
+    """A cache key as it is defined: the first 16 hex digits of the SHA-256 of the settings as sorted JSON."""
+    return hashlib.sha256(json.dumps(DEFAULTS | settings, sort_keys=True).encode()).hexdigest()[:16]
+
 
 def test_cache_key_follows_settings_and_demo_version(monkeypatch):
     shop = TinySpec.parse("tiny:shop")
-    # stable across processes and runs (it names a cache folder): the first 16 hex digits of the SHA-256 of the
-    # settings as sorted JSON; shop has no demo_version. A change here rebuilds every cached tiny:shop.
-    settings = dict(env="shop", moe=False, difficulty=0, hidden_size=128, num_layers=2, num_heads=4)
-    settings.update(intermediate_size=256, num_experts=8, experts_per_token=2, max_positions=1024, vocab_size=1024)
-    settings.update(num_demos=2000, noise=0.3, sft_steps=300, sft_batch_size=32, sft_lr=3e-3, seed=0, version=2)
-    assert shop.key() == hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    # stable across processes and runs (it names a cache folder); shop has no demo_version
+    assert shop.key() == hand_key(env="shop", difficulty=0)
     assert shop.key() != TinySpec.parse("tiny:shop", sft_steps=301).key()
     assert shop.key() != TinySpec.parse("tiny-moe:shop").key()
     before = TinySpec.parse("tiny:search").key()
@@ -25,26 +31,20 @@ def test_cache_key_follows_settings_and_demo_version(monkeypatch):
 
 
 def test_a_level_whose_tasks_changed_alone_has_its_own_key():
-    def key(settings: dict) -> str:
-        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-
-    base = dict(env="shop", moe=False, hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)
-    base.update(num_experts=8, experts_per_token=2, max_positions=1024, vocab_size=1024, num_demos=2000, noise=0.3)
-    base.update(sft_steps=300, sft_batch_size=32, sft_lr=3e-3, seed=0, version=2)
-    # the shopping-list levels 1 and 2 carry version 1: a build of the former level 1 or 2 (keyed without it) is
-    # never taken for them; levels 0, 3 and 4 keep keys without a version
-    for level in (1, 2):
-        old = key(base | {"difficulty": level})
-        assert TinySpec.parse("tiny:shop", difficulty=level).key() == key(
-            base | {"difficulty": level, "demo_version": 1}
-        )
-        assert TinySpec.parse("tiny:shop", difficulty=level).key() != old
-    for level in (0, 3, 4):
-        assert TinySpec.parse("tiny:shop", difficulty=level).key() == key(base | {"difficulty": level})
-    # search: the class's version 1 everywhere but at the road-chain levels, 2
-    search = base | {"env": "search", "sft_steps": 900}
-    assert TinySpec.parse("tiny:search", difficulty=1).key() == key(search | {"difficulty": 1, "demo_version": 2})
-    assert TinySpec.parse("tiny:search", difficulty=3).key() == key(search | {"difficulty": 3, "demo_version": 1})
+    # the long levels 1 and 2 carry a version of their own: a build of the former level 1 or 2 (keyed without it,
+    # or with the class's version) is never taken for them; levels 0, 3 and 4 keep the class's
+    for env, long_version, version, sft_steps in (
+        ("shop", 1, None, 300),
+        ("terminal", 1, None, 300),
+        ("search", 2, 1, 900),
+    ):
+        for level in range(5):
+            expected = long_version if level in (1, 2) else version
+            settings = dict(env=env, difficulty=level, sft_steps=sft_steps)
+            settings |= {"demo_version": expected} if expected else {}
+            assert TinySpec.parse(f"tiny:{env}", difficulty=level).key() == hand_key(**settings), (env, level)
+        former = dict(env=env, difficulty=1, sft_steps=sft_steps) | ({"demo_version": version} if version else {})
+        assert TinySpec.parse(f"tiny:{env}", difficulty=1).key() != hand_key(**former)  # the former level 1's key
 
 
 def test_environment_sets_its_sft_steps_unless_overridden():
