@@ -208,8 +208,9 @@ def demonstrations(
     after the first observation and follows it without noise; with `guidance_frac` > 0 that share of the others
     follows the expert without noise under a system message of guidance (`guidance_block`)."""
     tasks = env_cls.make_tasks("train", n, seed=seed, difficulty=difficulty)
-    make_env = lambda task: env_cls(difficulty=difficulty)  # noqa: E731
-    return played_demonstrations(make_env, tasks, seed, noise, privileged_frac, guidance_frac)
+    return played_demonstrations(
+        lambda task: env_cls(difficulty=difficulty), tasks, seed, noise, privileged_frac, guidance_frac
+    )
 
 
 #: the kinds of guidance a guidance demonstration shows, one drawn per demonstration (`guidance_block`)
