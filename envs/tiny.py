@@ -32,6 +32,7 @@ was built for in `tiny_spec.json` (`env`, `env_kwargs`), which `built_for` reads
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -120,7 +121,8 @@ class TinySpec:
         if kind not in ("tiny", "tiny-moe") or not env:
             raise ValueError(f"model_name_or_path {name!r}: expected 'tiny:<env>' or 'tiny-moe:<env>'")
         env_cls = cls(env=env, **overrides).env_class()
-        steps = getattr(env_cls, "tiny_sft_steps", None)  # an environment may need a longer warm start
+        steps = getattr(env_cls, "tiny_sft_steps", None)  # an environment may need a longer warm start,
+        steps = getattr(env_cls, "tiny_level_sft_steps", {}).get(overrides.get("difficulty", 0), steps)  # or a level
         if steps is not None:
             overrides.setdefault("sft_steps", steps)
         transport = getattr(env_cls, "transport_settings", ())  # how episodes run (e.g. over a server), not what
@@ -399,7 +401,14 @@ def sft(model, tokenizer, demos: list, spec: TinySpec, output_dir: str):
         train_dataset=Dataset.from_list([d if isinstance(d, dict) else {"messages": d} for d in demos]),
         processing_class=tokenizer,
     )
-    trainer.train()
+    # the collator pads on the right, so a dense model trains as plain causal attention without the (B, 1, S, S)
+    # padding mask, and sdpa reads the grouped key/value heads in place, as the RL forwards do (docs/methods/grpo.md
+    # D14, D15): the same loss up to float rounding. A MoE model keeps the mask, which its balance loss reads.
+    from trainers.base import CausalWithoutMask
+    from trainers.trl_api import cpu_fast_paths
+
+    with cpu_fast_paths(), CausalWithoutMask(model) if not spec.moe else contextlib.nullcontext():
+        trainer.train()
     return trainer.model
 
 

@@ -124,7 +124,7 @@ def pads_right_only(mask: torch.Tensor) -> bool:
     return bool((mask[:, 1:] <= mask[:, :-1]).all())
 
 
-class _CausalWithoutMask(AbstractContextManager):
+class CausalWithoutMask(AbstractContextManager):
     """While open, each call of `model` whose `attention_mask` pads only on the right gets `attention_mask=None`, so
     attention runs as plain causal attention (docs/methods/grpo.md D15). A causal model's position reads only itself
     and the positions before it, so padding on the right never reaches a real token; the mask changed only what the
@@ -680,7 +680,7 @@ class AgentGRPOTrainer(TRLSeams):
             if scored is not None:
                 hooks.enter_context(_ScoredLabels(model, scored))
             if causal:
-                hooks.enter_context(_CausalWithoutMask(model))
+                hooks.enter_context(CausalWithoutMask(model))
             return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
 
     def generate_and_score(self, inputs):
