@@ -20,7 +20,11 @@ It counts like the real judge (`metrics()`): calls, requests, tokens estimated a
 
 Checks per environment (titles are the criteria titles):
 - shop: bought item type / material / colour, chosen size, price within budget (task level, essential), a search
-  naming the wanted item (task level); every action valid on its page (process).
+  naming the wanted item (task level); every action valid on its page (process). The shopping lists (levels 1 and
+  2, `shop_list_checks`): per list item, the cart's entry at its position is the wanted item (type, material, colour
+  and price within budget) and has the wanted size (task level, essential), the checkout uses the instruction's
+  coupon (task level, essential), a search naming each wanted item (task level); every action valid on its page
+  (process).
 - terminal: each assertion of the verifier on the final file system, ending with `submit` (task level, essential);
   commands run without shell errors (process).
 - search: each hop's supporting document surfaced by a search (task level), the final answer correct (task level,
@@ -39,7 +43,7 @@ from typing import Any
 import pydantic
 
 from envs.search import SearchEnv
-from envs.shop import ShopEnv, _title
+from envs.shop import ShopEnv, _attributes, _title
 from envs.terminal import TerminalEnv, _command_line, check_assertion
 from rewards.judge import BaseJudge, M
 from rewards.rubrics import (
@@ -98,6 +102,8 @@ def _process_check(title: str, description: str, bad: list[int], num_steps: int,
 
 
 def shop_checks(task: dict, actions: Sequence[str]) -> list[Check]:
+    if "targets" in task:  # a shopping list (levels 1 and 2)
+        return shop_list_checks(task, actions)
     env = ShopEnv(task["difficulty"])
     env.reset(task)
     t, level = task["target"], task["difficulty"]
@@ -114,7 +120,7 @@ def shop_checks(task: dict, actions: Sequence[str]) -> list[Check]:
         if info.get("invalid"):
             invalid.append(j)
         elif env.page == "results":
-            searches.append((j, set(action.lower().replace("[", " ").replace("]", " ").split())))
+            searches.append((j, _query_words(action)))
         elif env.page == "item" and page == "results":
             opened[env.item["id"]] = j
         elif env.page == "item":
@@ -148,25 +154,108 @@ def shop_checks(task: dict, actions: Sequence[str]) -> list[Check]:
         ),
     ]
     wanted = {t["type"], t["material"]} | (set() if colour_option else {t["colour"]})  # titles name the colour
+    checks.append(_search_check("A search names the wanted item", wanted, searches, len(actions)))
+    checks.append(_valid_actions_check(invalid, len(actions)))
+    return checks
+
+
+def _query_words(action: str) -> set[str]:
+    return set(action.lower().replace("[", " ").replace("]", " ").split())
+
+
+def _search_check(title: str, wanted: set[str], searches: list[tuple[int, set[str]]], num_steps: int) -> Check:
+    """Some search (step, query words) holds every `wanted` word: it cites the first such search, else every search,
+    else the first step."""
     good = [j for j, words in searches if wanted <= words]
+    return Check(
+        title,
+        f"Some search query contains the words {', '.join(sorted(wanted))}.",
+        1 if good else -1,
+        good[:1] or [j for j, _ in searches] or [1][:num_steps],  # no search: the first step
+        f"search steps {[j for j, _ in searches]}",
+    )
+
+
+def _valid_actions_check(invalid: list[int], num_steps: int) -> Check:
+    return _process_check(
+        "Every action is valid on its page",
+        "Every action is one the current page accepts (no error observation).",
+        invalid,
+        num_steps,
+        "error observation",
+    )
+
+
+def shop_list_checks(task: dict, actions: Sequence[str]) -> list[Check]:
+    """The shop's shopping lists (levels 1 and 2). `ShopEnv._checkout` scores the cart by position (its entry k
+    against the list's item k) and the coupon, so per list item there are two outcome checks, each citing the steps
+    of one decision and the `add`: the entry is the wanted item (type, material, colour, price within budget: the
+    click) and has the wanted size (the choice). A level-0 check per attribute would make 5 per item, 25 task-level
+    criteria with a list of 4, above S1's limit of 15 (draco.md §4.3); a wrong item here is one click (a twin or a
+    filler), so one criterion per decision is also one criterion per mistake. A missing entry (an early checkout, or
+    none) fails both and cites the last step; leaving without a checkout fails only the coupon's check."""
+    env = ShopEnv(task["difficulty"])
+    env.reset(task)
+    level, targets, coupon = task["difficulty"], task["targets"], task["coupon"]
+    entries: list[tuple[int | None, int | None, int]] = []  # per cart entry: steps of its click, size choice, add
+    opened = sized = None  # steps of the open item's click and of its latest size choice
+    searches: list[tuple[int, set[str]]] = []
+    invalid: list[int] = []
+    checkout: tuple[int, bool] | None = None  # (step, coupon right)
+    for j, action in enumerate(actions, 1):
+        page, size, in_cart = env.page, env.chosen.get("size"), len(env.cart)
+        _, _, done, info = env.step(action)
+        if info.get("invalid"):
+            invalid.append(j)
+        elif env.page == "results":
+            searches.append((j, _query_words(action)))
+        elif env.page == "item" and page == "results":
+            opened, sized = j, None
+        elif env.page == "item" and env.chosen.get("size") != size:
+            sized = j
+        elif len(env.cart) > in_cart:
+            entries.append((opened, sized, j))
+        if done:  # only a checkout ends a list's episode
+            checkout = (j, info["coupon"])
+            break
+
+    checks = []
+    for k, t in enumerate(targets, 1):
+        name = f"{t['colour']} {t['material']} {t['type']}"
+        item_title = f"Cart entry {k} is a {name} at most {t['max_price']} dollars"
+        item_description = (
+            f"The item added to the cart in position {k} is a {name} costing {t['max_price']} dollars or less."
+        )
+        size_title = f"Size {t['size']} was chosen for cart entry {k}"
+        size_description = f"The item added to the cart in position {k} has size {t['size']} chosen."
+        if k > len(env.cart):
+            missing = f"the cart holds {len(env.cart)} of the list's {len(targets)} items"
+            checks.append(Check(item_title, item_description, -1, _last(actions), missing, essential=True))
+            checks.append(Check(size_title, size_description, -1, _last(actions), missing, essential=True))
+            continue
+        (item, size), (click, choose, add) = env.cart[k - 1], entries[k - 1]
+        matched = _attributes(item, size, item["colours"][0], t)  # the checkout's own rule
+        right_item = all(matched[a] for a in ("type", "material", "colour", "price"))
+        added = f"entry {k}: {item['id']} ({_title(item, level)} ${item['price']}), size {size or 'none'}"
+        steps = sorted({s for s in (click, add) if s})
+        checks.append(Check(item_title, item_description, 1 if right_item else -1, steps, added, essential=True))
+        steps = sorted({s for s in (choose, add) if s})
+        checks.append(Check(size_title, size_description, 1 if matched["size"] else -1, steps, added, essential=True))
+    paid = "no checkout" if checkout is None else f"checkout at step {checkout[0]}, coupon right: {checkout[1]}"
     checks.append(
         Check(
-            "A search names the wanted item",
-            f"Some search query contains the words {', '.join(sorted(wanted))}.",
-            1 if good else -1,
-            good[:1] or [j for j, _ in searches] or [1][: len(actions)],  # no search: the first step
-            f"search steps {[j for j, _ in searches]}",
+            f"The checkout uses coupon {coupon}",
+            f"The agent checks out with the coupon word the instruction names: checkout[{coupon}].",
+            1 if checkout and checkout[1] else -1,
+            [checkout[0]] if checkout else _last(actions),
+            paid,
+            essential=True,
         )
     )
-    checks.append(
-        _process_check(
-            "Every action is valid on its page",
-            "Every action is one the current page accepts (no error observation).",
-            invalid,
-            len(actions),
-            "error observation",
-        )
-    )
+    for t in targets:
+        wanted = {t["type"], t["material"], t["colour"]}  # at these levels the titles name the colour
+        checks.append(_search_check(f"A search names the wanted {t['type']}", wanted, searches, len(actions)))
+    checks.append(_valid_actions_check(invalid, len(actions)))
     return checks
 
 
@@ -317,12 +406,6 @@ class OracleJudge(BaseJudge):
     def add_tasks(self, tasks: Iterable[Mapping[str, Any]]) -> None:
         for task in tasks:
             task = json.loads(task) if isinstance(task, str) else dict(task)
-            if task.get("env") == "shop" and "targets" in task and "shop" in self.checks:
-                raise ValueError(
-                    "the oracle judge has no checks for the shop's shopping lists (difficulty "
-                    f"{task.get('difficulty')}, one purchase per list item): use difficulty 0, 3 or 4, or an API "
-                    "judge (judge_backend: openai)"
-                )
             self.tasks[instruction_key(task["instruction"])] = task
 
     def find_task(self, prompt: str) -> dict | None:
@@ -407,4 +490,4 @@ class OracleJudge(BaseJudge):
         return None
 
 
-__all__ = ["CHECKS", "Check", "OracleJudge", "search_checks", "shop_checks", "terminal_checks"]
+__all__ = ["CHECKS", "Check", "OracleJudge", "search_checks", "shop_checks", "shop_list_checks", "terminal_checks"]
