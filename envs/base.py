@@ -49,6 +49,8 @@ class Env:
     level_demo_versions: dict[int, int] = {}
     #: SFT steps the tiny default needs here (None: `envs.tiny.TinySpec.sft_steps`, 300)
     tiny_sft_steps: int | None = None
+    #: per difficulty, SFT steps that replace `tiny_sft_steps` at that level (a long level needs a longer warm start)
+    tiny_level_sft_steps: dict[int, int] = {}
     #: JSON schemas of the tools rendered into the prompt by the chat template, or None for plain text actions
     tools: list[dict] | None = None
     #: True when an episode cut by a budget would really have gone on (an open-ended task with no final verdict):

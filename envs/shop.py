@@ -266,6 +266,8 @@ class ShopEnv(Env):
     )
     max_turns = 8
     level_demo_versions = {1: 1, 2: 1}  # 1: levels 1 and 2 are the shopping lists (the content-matching ones are 3, 4)
+    #: the shopping lists need a longer warm start than level 0's 300 steps (bench/results/shop_levels/)
+    tiny_level_sft_steps = {1: 2000, 2: 2000}
     #: what differs at the shopping-list levels (1 and 2): an instance at one of them sets these on itself
     #: (`_set_level`, from __init__ and reset), so the class's values, and every text of levels 0, 3 and 4, are
     #: those the shop had before the lists came

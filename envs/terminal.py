@@ -1314,6 +1314,8 @@ class TerminalEnv(Env):
     )
     max_turns = 8  # levels 0, 3 and 4; the long-horizon levels set their own (`_CHECKLIST`)
     level_demo_versions = {1: 1, 2: 1}  # 1: levels 1 and 2 are the checklists (a build of the former 1 or 2 is stale)
+    #: the checklists need a longer warm start than level 0's 300 steps (bench/results/terminal_levels/)
+    tiny_level_sft_steps = {1: 2000, 2: 2000}
 
     def __init__(self, difficulty: int = 0):
         super().__init__(difficulty)

@@ -33,17 +33,17 @@ def test_cache_key_follows_settings_and_demo_version(monkeypatch):
 def test_a_level_whose_tasks_changed_alone_has_its_own_key():
     # the long levels 1 and 2 carry a version of their own: a build of the former level 1 or 2 (keyed without it,
     # or with the class's version) is never taken for them; levels 0, 3 and 4 keep the class's
-    for env, long_version, version, sft_steps in (
-        ("shop", 1, None, 300),
-        ("terminal", 1, None, 300),
-        ("search", 2, 1, 900),
+    for env, long_version, version, sft_steps, long_sft_steps in (
+        ("shop", 1, None, 300, 2000),
+        ("terminal", 1, None, 300, 2000),
+        ("search", 2, 1, 900, 900),
     ):
         for level in range(5):
             expected = long_version if level in (1, 2) else version
-            settings = dict(env=env, difficulty=level, sft_steps=sft_steps)
+            settings = dict(env=env, difficulty=level, sft_steps=long_sft_steps if level in (1, 2) else sft_steps)
             settings |= {"demo_version": expected} if expected else {}
             assert TinySpec.parse(f"tiny:{env}", difficulty=level).key() == hand_key(**settings), (env, level)
-        former = dict(env=env, difficulty=1, sft_steps=sft_steps) | ({"demo_version": version} if version else {})
+        former = dict(env=env, difficulty=1, sft_steps=long_sft_steps) | ({"demo_version": version} if version else {})
         assert TinySpec.parse(f"tiny:{env}", difficulty=1).key() != hand_key(**former)  # the former level 1's key
 
 
@@ -51,6 +51,11 @@ def test_environment_sets_its_sft_steps_unless_overridden():
     assert TinySpec.parse("tiny:shop").sft_steps == TinySpec.sft_steps == 300
     assert TinySpec.parse("tiny:search").sft_steps == SearchEnv.tiny_sft_steps == 900
     assert TinySpec.parse("tiny:search", sft_steps=20).sft_steps == 20
+    # a level may need its own: the shop's and the terminal's long levels take 2000 steps, their other levels 300
+    for env in ("shop", "terminal"):
+        steps = [TinySpec.parse(f"tiny:{env}", difficulty=level).sft_steps for level in range(5)]
+        assert steps == [300, 2000, 2000, 300, 300], env
+        assert TinySpec.parse(f"tiny:{env}", difficulty=2, sft_steps=20).sft_steps == 20  # an explicit value wins
     with pytest.raises(ValueError, match="expected 'tiny:<env>'"):
         TinySpec.parse("small:search")
 
