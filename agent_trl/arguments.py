@@ -76,7 +76,10 @@ class RunArguments:
         default=0, metadata={"help": "Seed of the tiny default's build (demonstrations, init, SFT); RL uses `seed`."}
     )
     tiny_sft_steps: int | None = field(
-        default=None, metadata={"help": "SFT steps of the tiny default's warm start (default: the environment's own)."}
+        default=None,
+        metadata={
+            "help": "SFT steps of the tiny default's warm start (default: the environment's own for the level)."
+        },
     )
     tiny_privileged_frac: float | None = field(
         default=None,
