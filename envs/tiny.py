@@ -15,7 +15,8 @@ quickstart's default (`tiny:shop`, every setting at its default) in `envs/shippe
 cache is filled from that copy instead of building (a first quickstart skips 300 SFT steps). A recipe change changes
 the key, so a stale copy is never used; `tests/test_tiny_shipped.py` checks that the copy matches the current key and,
 slow-marked, that a rebuild reproduces it (byte for byte, or, where SFT's float reductions differ between CPUs, in
-held-out success). Building a default takes 2-5 minutes on two CPU cores.
+held-out success). Building a level-0 default takes 2-5 minutes on two CPU cores; a long level's (2000 SFT steps,
+`Env.tiny_level_sft_steps`) 30-45 minutes at one thread.
 Demonstrations are noisy on purpose: with probability `noise` a turn takes the environment's
 `noisy_action` (a plausible mistake) instead of the expert's, so SFT alone imitates the mistakes in its sampling
 distribution and RL has something to remove (see the project's notes on measuring RL gains honestly).
