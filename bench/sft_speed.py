@@ -5,9 +5,8 @@
 For each environment and level it plays the build's noisy demonstrations, trains the build's tokenizer, and runs
 `envs.tiny.sft` for `--steps` steps from the same initial weights in two ways, alternating `--repeats` times:
 
-- fast: as the build runs it (plain causal attention without the right-padding mask, grouped key/value heads read in
-  place; docs/methods/grpo.md D15, D14);
-- masked: the forward as TRL's SFTTrainer makes it, with the padding mask and transformers' own attention paths.
+- fast: as the build runs it (plain causal attention without the right-padding mask; docs/methods/grpo.md D15);
+- masked: the forward as TRL's SFTTrainer makes it, with the padding mask.
 
 It reports seconds per SFT step (the whole `sft` call, the trainer's set-up included, over its steps; median over
 repeats), their ratio, and the largest difference between the two trained models' weights (float rounding).
@@ -30,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-import trainers.base  # noqa: E402
-import trainers.trl_api  # noqa: E402
+import envs.tiny  # noqa: E402
 from bench.record import RESULTS, write_result  # noqa: E402
 from envs import environment_class  # noqa: E402
 from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, demonstrations, sft  # noqa: E402
@@ -46,13 +44,12 @@ class _Masked(contextlib.nullcontext):
 
 @contextlib.contextmanager
 def masked_forward():
-    """`envs.tiny.sft` as it was before its fast path: the padding mask and transformers' attention paths."""
-    causal, fast = trainers.base.CausalWithoutMask, trainers.trl_api.cpu_fast_paths
-    trainers.base.CausalWithoutMask, trainers.trl_api.cpu_fast_paths = _Masked, contextlib.nullcontext
+    """`envs.tiny.sft` as it was before its fast path: with the padding mask."""
+    causal, envs.tiny.CausalWithoutMask = envs.tiny.CausalWithoutMask, _Masked
     try:
         yield
     finally:
-        trainers.base.CausalWithoutMask, trainers.trl_api.cpu_fast_paths = causal, fast
+        envs.tiny.CausalWithoutMask = causal
 
 
 def timed_sft(spec: TinySpec, tokenizer, demos: list, masked: bool) -> tuple[float, dict]:

@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-import trainers.base
-import trainers.trl_api
+import envs.tiny
 from envs.shop import ShopEnv
 from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, played_demonstrations, sft
 
@@ -31,14 +30,14 @@ def trained(setup, tmp_path, spec) -> dict[str, torch.Tensor]:
 def test_sft_drops_the_padding_mask_and_trains_as_with_it(setup, tmp_path, monkeypatch):
     spec = TinySpec(env="shop", sft_steps=3, sft_batch_size=8)
     dropped = []
-    hook = trainers.base.CausalWithoutMask._drop_right_padding_mask
+    hook = envs.tiny.CausalWithoutMask._drop_right_padding_mask
 
     def counting(module, args, kwargs):
         out = hook(module, args, kwargs)
         dropped.append(out is not None)
         return out
 
-    monkeypatch.setattr(trainers.base.CausalWithoutMask, "_drop_right_padding_mask", staticmethod(counting))
+    monkeypatch.setattr(envs.tiny.CausalWithoutMask, "_drop_right_padding_mask", staticmethod(counting))
     fast = trained(setup, tmp_path / "fast", spec)
     assert dropped == [True] * 3  # one forward per step, each padded on the right only, each without its mask
     monkeypatch.undo()
@@ -47,8 +46,7 @@ def test_sft_drops_the_padding_mask_and_trains_as_with_it(setup, tmp_path, monke
         def __init__(self, model):
             super().__init__()
 
-    monkeypatch.setattr(trainers.base, "CausalWithoutMask", Masked)
-    monkeypatch.setattr(trainers.trl_api, "cpu_fast_paths", contextlib.nullcontext)
+    monkeypatch.setattr(envs.tiny, "CausalWithoutMask", Masked)
     masked = trained(setup, tmp_path / "masked", spec)
     start = build_model(spec, setup[1]).state_dict()
     for name, value in masked.items():
@@ -58,6 +56,6 @@ def test_sft_drops_the_padding_mask_and_trains_as_with_it(setup, tmp_path, monke
 
 def test_a_moe_build_keeps_its_mask(setup, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(trainers.base.CausalWithoutMask, "__enter__", lambda self: calls.append(self))
+    monkeypatch.setattr(envs.tiny.CausalWithoutMask, "__enter__", lambda self: calls.append(self))
     trained(setup, tmp_path, TinySpec(env="shop", moe=True, sft_steps=1, sft_batch_size=4))
     assert calls == []  # the balance loss reads the mask
