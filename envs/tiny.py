@@ -33,7 +33,6 @@ was built for in `tiny_spec.json` (`env`, `env_kwargs`), which `built_for` reads
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import json
@@ -402,44 +401,8 @@ def sft(model, tokenizer, demos: list, spec: TinySpec, output_dir: str):
         train_dataset=Dataset.from_list([d if isinstance(d, dict) else {"messages": d} for d in demos]),
         processing_class=tokenizer,
     )
-    # the collator pads on the right, so a dense model trains as plain causal attention without the (B, 1, S, S)
-    # padding mask, as the RL forwards do (docs/methods/grpo.md D15): the same loss up to float rounding. A MoE model
-    # keeps the mask, which its balance loss reads.
-    with CausalWithoutMask(model) if not spec.moe else contextlib.nullcontext():
-        trainer.train()
+    trainer.train()
     return trainer.model
-
-
-def pads_right_only(mask: torch.Tensor) -> bool:
-    """True when every row of the (B, S) 0/1 attention `mask` is ones followed by zeros: padding only on the right."""
-    return bool((mask[:, 1:] <= mask[:, :-1]).all())
-
-
-class CausalWithoutMask(contextlib.AbstractContextManager):
-    """While open, each call of `model` whose `attention_mask` pads only on the right gets `attention_mask=None`, so
-    attention runs as plain causal attention (docs/methods/grpo.md D15). A causal model's position reads only itself
-    and the positions before it, so padding on the right never reaches a real token; the mask changed only what the
-    padding positions themselves compute, and nothing reads their outputs. Without it no (B, 1, S, S) mask is built,
-    and PyTorch's attention skips the blocks above the diagonal. Position ids are what the mask gave: no row is
-    shifted. TRL builds its labels from the mask before the call, so padding is still not scored."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-
-    def __enter__(self):
-        self.handle = self.model.register_forward_pre_hook(self._drop_right_padding_mask, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
-
-    @staticmethod
-    def _drop_right_padding_mask(module, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        if mask is None or mask.dim() != 2 or not pads_right_only(mask):
-            return None
-        kwargs["attention_mask"] = None
-        return args, kwargs
 
 
 def build_and_save(spec: TinySpec, tokenizer, demos: list, folder: Path) -> None:

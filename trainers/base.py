@@ -57,7 +57,6 @@ from accelerate.utils import gather, gather_object
 from trl import GRPOConfig
 
 from envs.base import Env
-from envs.tiny import CausalWithoutMask
 from rewards.verifiers import assertion_count_reward, binary_success_reward
 from trainers import agent_loop
 from trainers.alarm import CollapseAlarm
@@ -117,6 +116,38 @@ class _ScoredLabels(AbstractContextManager):
         T = rows.size(1)
         completion = labels[:, -T:].masked_fill(rows.to(labels.device) == 0, -100)
         kwargs["labels"] = torch.cat([labels[:, :-T], completion], dim=1)
+        return args, kwargs
+
+
+def pads_right_only(mask: torch.Tensor) -> bool:
+    """True when every row of the (B, S) 0/1 attention `mask` is ones followed by zeros: padding only on the right."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+
+class _CausalWithoutMask(AbstractContextManager):
+    """While open, each call of `model` whose `attention_mask` pads only on the right gets `attention_mask=None`, so
+    attention runs as plain causal attention (docs/methods/grpo.md D15). A causal model's position reads only itself
+    and the positions before it, so padding on the right never reaches a real token; the mask changed only what the
+    padding positions themselves compute, and nothing reads their outputs. Without it no (B, 1, S, S) mask is built,
+    and PyTorch's attention skips the blocks above the diagonal. Position ids are what the mask gave: no row is
+    shifted. TRL builds its labels from the mask before the call, so padding is still not scored."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        self.handle = self.model.register_forward_pre_hook(self._drop_right_padding_mask, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    @staticmethod
+    def _drop_right_padding_mask(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is None or mask.dim() != 2 or not pads_right_only(mask):
+            return None
+        kwargs["attention_mask"] = None
         return args, kwargs
 
 
@@ -649,7 +680,7 @@ class AgentGRPOTrainer(TRLSeams):
             if scored is not None:
                 hooks.enter_context(_ScoredLabels(model, scored))
             if causal:
-                hooks.enter_context(CausalWithoutMask(model))
+                hooks.enter_context(_CausalWithoutMask(model))
             return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
 
     def generate_and_score(self, inputs):
