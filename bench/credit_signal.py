@@ -4,6 +4,7 @@ default at the start of training.
     python bench/credit_signal.py                                  # TASPO and AlignOPSD on shop and search
     python bench/credit_signal.py --methods taspo --envs shop --batches 1 --out /tmp/credit_signal   # a quick look
     python bench/credit_signal.py --tiny_guidance_frac 0.5 --out bench/results/credit_signal_guided  # another build
+    python bench/credit_signal.py --envs terminal --out bench/results/credit_signal_terminal2  # terminal level 2
 
 For each method and environment, the method's trainer is built from its shipped recipe (`configs/<method>_<env>.yaml`,
 parsed and built as train.py does: 8 tasks x 8 rollouts per generation batch) on the tiny default agent, and plays
@@ -123,7 +124,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     methods = ["taspo", "alignopsd"]
     parser.add_argument("--methods", nargs="+", default=methods, choices=methods)
-    parser.add_argument("--envs", nargs="+", default=["shop", "search"], choices=["shop", "search"])
+    parser.add_argument(
+        "--envs", nargs="+", default=["shop", "search"], choices=["shop", "search", "terminal"],
+        help="environments; terminal's recipes are its level 2 on the build that reads guidance",
+    )
     parser.add_argument("--batches", type=int, default=3, help="generation batches (8 tasks x 8 rollouts) each")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
