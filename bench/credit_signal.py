@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> dict:
     methods = ["taspo", "alignopsd"]
     parser.add_argument("--methods", nargs="+", default=methods, choices=methods)
     parser.add_argument(
-        "--envs", nargs="+", default=["shop", "search"], choices=["shop", "search", "terminal"],
+        "--envs",
+        nargs="+",
+        default=["shop", "search"],
+        choices=["shop", "search", "terminal"],
         help="environments; terminal's recipes are its level 2 on the build that reads guidance",
     )
     parser.add_argument("--batches", type=int, default=3, help="generation batches (8 tasks x 8 rollouts) each")
