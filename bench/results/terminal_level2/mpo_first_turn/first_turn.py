@@ -19,8 +19,8 @@ for arg in sys.argv[1:]:
         to_first_step, stuck = [], collections.Counter()
         for r in runs:
             hint = r["first_observation"].rsplit("next: ", 1)[1].split("\n")[0]
-            done = next((i + 1 for i, t in enumerate(r["transcript"]) if "next: " + hint not in t["observation"]), None)
-            to_first_step.append(done if done is not None else len(r["transcript"]))
+            moved = [i + 1 for i, t in enumerate(r["transcript"]) if "next: " + hint not in t["observation"]]
+            to_first_step.append(moved[0] if moved else len(r["transcript"]))
             if not r["success"]:
                 last = r["transcript"][-1]["observation"]
                 named = last.rsplit("next: ", 1)[1].split("\n")[0] if "next: " in last else "(none)"
