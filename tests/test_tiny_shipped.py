@@ -1,16 +1,17 @@
-"""The repository ships the quickstart's tiny default prebuilt (envs/shipped/, envs/tiny.py): the copy is the build of
-the current default settings, an empty cache is filled from it without building, and (slow) a rebuild from scratch
-reproduces it byte for byte."""
+"""The repository ships tiny builds prebuilt (envs/shipped/, envs/tiny.py SHIPPED_BUILDS): each copy is the build of
+its current settings, nothing else lies there, an empty cache is filled from a copy without building, and (slow) a
+rebuild of the quickstart's default from scratch reproduces it byte for byte."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
 from envs import tiny
-from envs.tiny import SHIPPED, TinySpec, tiny_model
+from envs.tiny import SHIPPED, SHIPPED_BUILDS, TinySpec, tiny_model
 
 FILES = ("model.safetensors", "tokenizer.json", "config.json", "tiny_spec.json")
 
@@ -25,23 +26,38 @@ def test_the_shipped_build_is_the_current_default():
     assert folder.is_dir(), f"envs/shipped/ has no build named {folder.name}: rebuild the default and ship it"
     expected = asdict(TinySpec.parse("tiny:shop"))  # env_kwargs "" is left out of the key, not out of the file
     assert json.loads((folder / "tiny_spec.json").read_text()) == expected
-    assert sorted(p.name for p in SHIPPED.iterdir()) == [folder.name]  # no stale copy lying around
 
 
-def test_an_empty_cache_is_filled_from_the_shipped_copy(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name, settings", SHIPPED_BUILDS)
+def test_every_shipped_build_is_current(name, settings):
+    """Each declared build lies under the name `tiny_model` looks up, and records the settings parsed now."""
+    spec = TinySpec.parse(name, **settings)
+    folder = SHIPPED / f"{name.replace(':', '-')}-{spec.key()}"
+    assert folder.is_dir(), f"envs/shipped/ has no build named {folder.name}: rebuild {name} {settings} and ship it"
+    assert json.loads((folder / "tiny_spec.json").read_text()) == asdict(spec)
+    assert all((folder / f).is_file() for f in FILES)
+
+
+def test_nothing_else_is_shipped():
+    """No stale copy lying around: the folder holds the declared builds and nothing more."""
+    names = {f"{n.replace(':', '-')}-{TinySpec.parse(n, **s).key()}" for n, s in SHIPPED_BUILDS}
+    assert {p.name for p in SHIPPED.iterdir()} == names
+
+
+@pytest.mark.parametrize("name, settings", SHIPPED_BUILDS)
+def test_an_empty_cache_is_filled_from_the_shipped_copy(name, settings, tmp_path, monkeypatch):
     monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path))
 
     def no_build(*args, **kwargs):
-        raise AssertionError("the default was built although a shipped copy exists")
+        raise AssertionError(f"{name} {settings} was built although a shipped copy exists")
 
     monkeypatch.setattr(tiny, "build_and_save", no_build)
-    folder = tiny_model("tiny:shop")
-    assert folder.startswith(str(tmp_path))
-    for name in FILES:
-        assert (shipped_folder() / name).read_bytes() == (
-            tmp_path / "tiny" / shipped_folder().name / name
-        ).read_bytes()
-    assert list((tmp_path / "tiny").iterdir()) == [tmp_path / "tiny" / shipped_folder().name]  # no staging left
+    folder = Path(tiny_model(name, **settings))
+    shipped = SHIPPED / folder.name
+    assert folder == tmp_path / "tiny" / shipped.name
+    for file in FILES:
+        assert (shipped / file).read_bytes() == (folder / file).read_bytes()
+    assert list((tmp_path / "tiny").iterdir()) == [folder]  # no staging left
 
 
 def test_other_settings_are_still_built(tmp_path, monkeypatch):
