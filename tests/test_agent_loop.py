@@ -284,6 +284,57 @@ def test_sampler_stops_when_every_row_has_ended_and_pads_after_the_end():
         sample_tokens(model, ids, ones, NoCache(), 0, logits_processors(), False, [4], 0)
 
 
+@pytest.mark.parametrize("rows_per_call", [2, 64])
+def test_branches_after_shared_prefixes_equal_each_context_alone(tiny_model_folder, rows_per_call):
+    """`sample_after_prefixes` (one prefill per sequence, every branch from its cache) gives each branch the greedy ids
+    and log-probs that `sample_tokens` gives its context alone, from a fresh cache, up to float rounding: branches of
+    one sequence in one call and split over calls (2 rows a call), a one-id context, sequences of unequal length. It
+    feeds fewer positions than the separate prefills do."""
+    from transformers import AutoModelForCausalLM
+
+    from trainers.agent_loop import logits_processors, sample_after_prefixes, sample_tokens, shared_prefixes
+    from trainers.trl_api import growing_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(5, 200, (30,), generator=g).tolist()
+    second = torch.randint(5, 200, (12,), generator=g).tolist()
+    contexts = [first[:1], first[:9], first[:17], first[:30], second[:12], second[:4]]
+    sequences, branches = shared_prefixes(contexts)
+    assert sequences == [first, second] and [p for _, p in branches] == [1, 9, 17, 30, 12, 4]
+    fed = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
+    greedy = logits_processors(do_sample=False)
+    out = sample_after_prefixes(model, sequences, branches, 6, greedy, False, [2], 0, rows_per_call)
+    shared_prefill = fed[0] if rows_per_call == 64 else None
+    hook.remove()
+    for context, (ids, logps) in zip(contexts, out, strict=True):
+        ref_ids, ref_logps = sample_tokens(
+            model, torch.tensor([context]), torch.ones(1, len(context), dtype=torch.long), growing_cache(model), 6,
+            greedy, False, [2], 0,
+        )  # fmt: skip
+        want = ref_ids[0, len(context) :].tolist()
+        n = next((k + 1 for k, t in enumerate(want) if t == 2), len(want))
+        assert ids == want[:n]
+        torch.testing.assert_close(torch.tensor(logps), ref_logps[0, :n], atol=1e-5, rtol=0)
+    if shared_prefill is not None:  # two sequences padded to 29 positions, against 67 ids prefilled alone
+        assert shared_prefill == 2 * 29 < sum(len(c) - 1 for c in contexts)
+
+
+def test_branches_past_the_deadline_are_empty(tiny_model_folder):
+    """A deadline already past: no call starts, every branch gets no ids; a branch outside its sequence is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from trainers.agent_loop import logits_processors, sample_after_prefixes
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
+    greedy = logits_processors(do_sample=False)
+    out = sample_after_prefixes(model, [[5, 6, 7]], [(0, 2), (0, 3)], 4, greedy, False, [2], 0, deadline=0.0)
+    assert out == [([], []), ([], [])]
+    with pytest.raises(ValueError, match="outside sequence 0"):
+        sample_after_prefixes(model, [[5, 6, 7]], [(0, 4)], 4, greedy, False, [2], 0)
+
+
 def test_growing_cache_layer_holds_what_a_dynamic_layer_holds():
     """The same prefill, decode writes, row selection, crop and row repetition on `GrowingLayer` and transformers'
     `DynamicLayer` leave equal keys and values (the growing layer outgrows its buffer twice on the way)."""

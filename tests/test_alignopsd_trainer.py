@@ -547,12 +547,16 @@ def test_matching_on_thinking_without_thinking_warns(setup, monkeypatch, caplog)
         ("action", "left", False, None),  # no end token, shorter than the limit: stopped by the deadline
     ],
 )
-def test_teacher_generation_text_is_parsed(setup, monkeypatch, match_on, generated, ends, want):
-    """alignopsd.md D6 and D8, through the real `teacher_generate`: a fake `generate` (which checks the rollout's
-    sampling temperature and the token limit) appends `generated`, then the end token and more tokens; the text is cut
-    at the end token and reduced to the thinking or the visible text: an unclosed <think> gives an empty text
-    (`teacher_empty_thinking_frac` 1), a closed one its thinking; tokens after the end never count. A generation
-    without an end token and shorter than the limit was stopped by the deadline: a timeout."""
+@pytest.mark.parametrize("path", ["branches", "generate"])
+def test_teacher_generation_text_is_parsed(setup, monkeypatch, match_on, generated, ends, want, path):
+    """alignopsd.md D6 and D8, through the real `teacher_generate`, on both of its paths: a fake sampler (the branch
+    sampler of a plain decoder, or `generate` for other models; each checks the rollout's sampling temperature and the
+    token limit) returns `generated`, then the end token and more tokens; the text is cut at the end token and reduced
+    to the thinking or the visible text: an unclosed <think> gives an empty text (`teacher_empty_thinking_frac` 1), a
+    closed one its thinking; tokens after the end never count. A generation without an end token and shorter than the
+    limit was stopped by the deadline: a timeout."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
     trainer, batch, _ = setup
     tok = trainer.processing_class
     ids = tok(generated, add_special_tokens=False)["input_ids"]
@@ -563,10 +567,20 @@ def test_teacher_generation_text_is_parsed(setup, monkeypatch, match_on, generat
         assert generation_config.temperature == TEMPERATURE and generation_config.max_new_tokens == 4
         return torch.cat([input_ids, torch.tensor([new]).expand(input_ids.shape[0], -1)], dim=1)
 
+    def fake_branches(model, sequences, branches, max_new_tokens, processors, *args, **kwargs):
+        temperatures = [p.temperature for p in processors if isinstance(p, TemperatureLogitsWarper)]
+        assert temperatures == [TEMPERATURE] and max_new_tokens == 4
+        assert len(sequences) == 8  # the credited episodes: each one sequence, its turns branches of it
+        return [(list(new), [0.0] * len(new)) for _ in branches]  # uncut: teacher_generate cuts at the end id itself
+
     encoded = []
     real = trainer.encoder.encode
     monkeypatch.setattr(trainer.encoder, "encode", lambda texts: encoded.append(list(texts)) or real(texts))
-    monkeypatch.setattr(trainer.model, "generate", fake_generate)
+    if path == "generate":
+        monkeypatch.setattr(alignopsd_module, "growing_cache", lambda model: None)
+        monkeypatch.setattr(trainer.model, "generate", fake_generate)
+    else:
+        monkeypatch.setattr(alignopsd_module, "sample_after_prefixes", fake_branches)
     monkeypatch.setattr(trainer.args, "alignopsd_match_on", match_on)
     monkeypatch.setattr(trainer, "_calibrated", True)
     trainer._metrics["train"].clear()
@@ -582,6 +596,33 @@ def test_teacher_generation_text_is_parsed(setup, monkeypatch, match_on, generat
         assert metrics["alignopsd/teacher_gen_tokens_mean"] == len(ids)  # up to the end token
     if want:
         assert want in texts
+
+
+def test_teacher_turns_branch_from_one_prefill_per_episode(setup, monkeypatch):
+    """The real sampler on the tiny model: the 32 live turns of the 8 credited episodes are branches of 8 sequences
+    (each episode's privileged prompt and completion), every branch's context is the context the turn would get alone,
+    and each generation ends within the 4-token limit or by an end id; nothing times out."""
+    trainer, batch, _ = setup
+    seen = []
+    real = alignopsd_module.sample_after_prefixes
+
+    def recording(model, sequences, branches, *args, **kwargs):
+        seen.append((sequences, branches))
+        return real(model, sequences, branches, *args, **kwargs)
+
+    contexts = []
+    real_generate = AlignOPSDTrainer.teacher_generate.__get__(trainer)
+    monkeypatch.setattr(alignopsd_module, "sample_after_prefixes", recording)
+    monkeypatch.setattr(trainer, "teacher_generate", lambda cs: contexts.extend(cs) or real_generate(cs))
+    monkeypatch.setattr(trainer, "_calibrated", True)
+    trainer._metrics["train"].clear()
+    trainer.compute_advantages(batch)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    ((sequences, branches),) = seen
+    assert len(sequences) == 8 and len(branches) == len(contexts) == 32
+    assert [sequences[r][:p] for r, p in branches] == [list(c) for c in contexts]
+    assert metrics["alignopsd/teacher_timeouts"] == 0.0
+    assert 0 < metrics["alignopsd/teacher_gen_tokens_mean"] <= 4
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -432,7 +432,16 @@ def logits_processors(
 
 
 def sample_tokens(
-    model, ids, mask, cache, max_new_tokens: int, processors, do_sample: bool, eos: list[int], pad: int
+    model,
+    ids,
+    mask,
+    cache,
+    max_new_tokens: int,
+    processors,
+    do_sample: bool,
+    eos: list[int],
+    pad: int,
+    deadline: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `max_new_tokens` tokens per row of `ids` (N, S), left-padded with attention `mask` (N, S), of which the
     first `cache.get_seq_length()` positions are already in `cache` (a `growing_cache`, updated in place).
@@ -441,7 +450,8 @@ def sample_tokens(
     distribution. A row that has produced an id in `eos` is continued with `pad` until every row has, or `t` reaches
     `max_new_tokens`; the cache then holds S + t - 1 positions per row (the last sampled id is never fed), as after
     `generate`. Position ids are the mask's running count, as `generate` derives them, so a cached row keeps the
-    positions it was cached at.
+    positions it was cached at. With a `deadline` (a `time.monotonic()` value) the loop also stops after the first step
+    that ends past it, as `generate`'s `max_time` does: rows without an end id then stopped short of the limit.
 
     This is `generate`'s sampling loop reduced to what the agent loop uses (docs/methods/grpo.md D11), with two
     savings:
@@ -490,6 +500,8 @@ def sample_tokens(
             sequences = torch.cat([sequences, row_tokens[:, None]], 1)
             if bool(finished.all()) or t + 1 == max_new_tokens:
                 break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
             step_ids, step_positions = token[:, None], step_positions[:, -1:] + 1
             if int(ended.sum()) * 2 >= len(rows):
@@ -500,6 +512,95 @@ def sample_tokens(
     for layer in cache.layers:
         layer.widen(rows)
     return sequences, torch.stack(logps, 1)
+
+
+def shared_prefixes(contexts: list[list[int]]) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """`contexts` as branches (r, p) of fewer sequences, each context being `sequences[r][:p]`: a context that extends
+    the sequence before it, or is a prefix of it, joins that sequence (the turns of one episode, in order, are one
+    sequence); any other starts a new one.
+
+    >>> shared_prefixes([[1, 2], [1, 2, 3, 4], [1, 2, 3], [5]])
+    ([[1, 2, 3, 4], [5]], [(0, 2), (0, 4), (0, 3), (1, 1)])
+    """
+    sequences: list[list[int]] = []
+    branches = []
+    for c in contexts:
+        if sequences:
+            last = sequences[-1]
+            if c[: len(last)] == last:
+                sequences[-1] = list(c)
+                branches.append((len(sequences) - 1, len(c)))
+                continue
+            if last[: len(c)] == list(c):
+                branches.append((len(sequences) - 1, len(c)))
+                continue
+        sequences.append(list(c))
+        branches.append((len(sequences) - 1, len(c)))
+    return sequences, branches
+
+
+def sample_after_prefixes(
+    model,
+    sequences: list[list[int]],
+    branches: list[tuple[int, int]],
+    max_new_tokens: int,
+    processors,
+    do_sample: bool,
+    eos: list[int],
+    pad: int,
+    rows_per_call: int = 64,
+    deadline: float | None = None,
+) -> list[tuple[list[int], list[float]]]:
+    """For every branch (r, p), up to `max_new_tokens` ids sampled after the context `sequences[r][:p]` (cut after the
+    first id in `eos`) and their log-probs under the processed distribution, as `sample_tokens` draws them after that
+    context alone. `model` must take a `growing_cache`.
+
+    The branches go `rows_per_call` at a time. Each call prefills its sequences once, up to the longest context its
+    branches need, then repeats each sequence's cache rows for its branches: a branch masks the cached positions from
+    its last context id on and feeds that id again, at its own position, so the cost of the contexts' common part is
+    paid once per call instead of once per branch (the teacher's turns of one episode, trainers/alignopsd.py). Past
+    `deadline` (a `time.monotonic()` value) a call stops after its current step and later calls do not start; their
+    branches get empty lists.
+    """
+    for r, p in branches:
+        if p < 1 or p > len(sequences[r]):
+            raise ValueError(f"branch ({r}, {p}) is outside sequence {r} (length {len(sequences[r])})")
+    device = model.device
+    results: list[tuple[list[int], list[float]]] = [([], []) for _ in branches]
+    for s in range(0, len(branches), rows_per_call):
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        chunk = branches[s : s + rows_per_call]
+        seqs = sorted({r for r, _ in chunk})
+        local = {r: i for i, r in enumerate(seqs)}
+        # each sequence up to its longest context in the chunk, but that context's last id
+        prefixes = [sequences[r][: max(p for q, p in chunk if q == r) - 1] for r in seqs]
+        cache = growing_cache(model)
+        width = max(len(x) for x in prefixes)
+        if width:
+            ids, mask = left_padded(prefixes, pad, device)
+            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                      logits_to_keep=1)  # fmt: skip
+        else:
+            ids = mask = torch.zeros((len(seqs), 0), dtype=torch.long, device=device)
+        rows = torch.tensor([local[r] for r, _ in chunk], device=device)
+        if width:
+            cache.batch_select_indices(rows)
+        branch_mask = mask[rows].clone()
+        for j, (r, p) in enumerate(chunk):
+            branch_mask[j, width - len(prefixes[local[r]]) + p - 1 :] = 0  # from the context's last id on
+        last = torch.tensor([[sequences[r][p - 1]] for r, p in chunk], device=device)
+        branch_ids = torch.cat([ids[rows], last], 1)
+        branch_mask = torch.cat([branch_mask, torch.ones_like(last)], 1)
+        out, logps = sample_tokens(
+            model, branch_ids, branch_mask, cache, max_new_tokens, processors, do_sample, eos, pad, deadline
+        )
+        for j, (row_ids, row_logps) in enumerate(zip(out[:, width + 1 :].tolist(), logps.tolist(), strict=True)):
+            n = next((k + 1 for k, t in enumerate(row_ids) if t in eos), len(row_ids))
+            results[s + j] = (row_ids[:n], row_logps[:n])
+    return results
 
 
 def sharded_across_processes(model) -> bool:

@@ -41,12 +41,19 @@ from torch import Tensor
 
 from envs.base import skill_card
 from rewards.judge import strip_reasoning
-from trainers.agent_loop import left_padded, render_prompt_ids
+from trainers.agent_loop import (
+    left_padded,
+    logits_processors,
+    render_prompt_ids,
+    sample_after_prefixes,
+    sharded_across_processes,
+    shared_prefixes,
+)
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
 from trainers.credit import credit_metrics, redistribute_multiplicative, turn_token_counts
 from trainers.encoder import build_encoder, calibration
 from trainers.teacher import score_after_prefixes, teacher_logps, with_privileged_block
-from trainers.trl_api import unwrap_model_for_generation
+from trainers.trl_api import growing_cache, unwrap_model_for_generation
 
 logger = logging.getLogger(__name__)
 
@@ -469,41 +476,61 @@ class AlignOPSDTrainer(AgentGRPOTrainer):
     @torch.no_grad()
     def teacher_generate(self, contexts: list[list[int]]) -> tuple[list[str], int, int]:
         """One free teacher generation per context (alignopsd.md Eq. 2), at the rollout's sampling settings, in chunks,
-        under the step's deadline; an unfinished generation gives ''. Returns texts, timeouts, generated tokens."""
+        under the step's deadline; an unfinished generation gives ''. Returns texts, timeouts, generated tokens.
+
+        The contexts of one episode's turns extend one another, so on a plain decoder they are sampled as branches of
+        one sequence (`shared_prefixes`, `sample_after_prefixes`): each chunk prefills an episode once and every turn
+        branches from its cache. Prefilling every context alone cost a step of a 20-turn episode batch seven times
+        GRPO's (bench/results/terminal_level2_guided/alignopsd_s0_stopped). Other models (sliding-window or
+        linear-attention layers, weights sharded over processes) go through `generate`, a context a row."""
         from transformers import GenerationConfig
 
         args, tok = self.args, getattr(self.processing_class, "tokenizer", self.processing_class)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        eos = set(self.eos_token_ids or [tok.eos_token_id])
+        eos = sorted(set(self.eos_token_ids or [tok.eos_token_id]))
+        limit = args.alignopsd_teacher_max_tokens
         texts, timeouts, tokens = [""] * len(contexts), 0, 0
         start, size = time.monotonic(), args.alignopsd_teacher_batch_size or args.per_device_train_batch_size
+        generated: list[list[int] | None] = [None] * len(contexts)  # None: the chunk never started
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as model:
-            for s in range(0, len(contexts), size):
-                left = args.alignopsd_teacher_deadline - (time.monotonic() - start)
-                chunk = contexts[s : s + size]
-                if left <= 0:
-                    timeouts += len(chunk)
-                    continue
-                ids, mask = left_padded(chunk, pad, self.accelerator.device)
-                config = GenerationConfig(
-                    do_sample=True,
-                    temperature=self.temperature,
-                    top_p=self.top_p,
-                    top_k=self.top_k,
-                    max_new_tokens=args.alignopsd_teacher_max_tokens,
-                    pad_token_id=pad,
-                    eos_token_id=sorted(eos),
-                    max_time=left,
+            if contexts and growing_cache(model) is not None and not sharded_across_processes(model):
+                sequences, branches = shared_prefixes(contexts)
+                processors = logits_processors(
+                    self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
                 )
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
-                for i, row in enumerate(out.tolist()):
-                    cut = next((k for k, t in enumerate(row) if t in eos), None)
-                    if cut is None and len(row) < args.alignopsd_teacher_max_tokens:
-                        timeouts += 1  # stopped by max_time: unfinished (D5)
-                        continue
-                    row = row[:cut] if cut is not None else row
-                    tokens += len(row)
-                    texts[s + i] = self._texts(tok.decode(row, skip_special_tokens=True))
+                out = sample_after_prefixes(
+                    model, sequences, branches, limit, processors, True, eos, pad, size,
+                    deadline=start + args.alignopsd_teacher_deadline,
+                )  # fmt: skip
+                generated = [ids for ids, _ in out]
+            else:
+                for s in range(0, len(contexts), size):
+                    left = args.alignopsd_teacher_deadline - (time.monotonic() - start)
+                    if left <= 0:
+                        break
+                    ids, mask = left_padded(contexts[s : s + size], pad, self.accelerator.device)
+                    config = GenerationConfig(
+                        do_sample=True,
+                        temperature=self.temperature,
+                        top_p=self.top_p,
+                        top_k=self.top_k,
+                        min_p=self.min_p,
+                        repetition_penalty=self.repetition_penalty,
+                        max_new_tokens=limit,
+                        pad_token_id=pad,
+                        eos_token_id=eos,
+                        max_time=left,
+                    )
+                    new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+                    generated[s : s + len(new)] = new[:, ids.shape[1] :].tolist()
+        for i, row in enumerate(generated):
+            cut = next((k for k, t in enumerate(row or []) if t in eos), None)
+            if cut is None and len(row or []) < limit:
+                timeouts += 1  # stopped by the deadline, or never started: unfinished (D5)
+                continue
+            row = row[:cut] if cut is not None else row
+            tokens += len(row)
+            texts[i] = self._texts(tok.decode(row, skip_special_tokens=True))
         return texts, timeouts, tokens
 
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
