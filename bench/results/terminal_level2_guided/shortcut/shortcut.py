@@ -57,7 +57,7 @@ def episode(e) -> tuple[bool, bool, int | None, str]:
     shortcut = any(re.fullmatch(rf"mv\s+{re.escape(key)}\s+{re.escape(target)}", a) for a in actions)
     hinted = any(f"next: rename {key} to {target}" in (t.get("observation") or "") for t in e["transcript"])
     observation, off, word = e["first_observation"], None, ""
-    for k, (turn, action) in enumerate(zip(e["transcript"], actions)):
+    for k, (turn, action) in enumerate(zip(e["transcript"], actions, strict=True)):
         want = named_command(observation)
         if want is not None and action != want:
             off, word = k, (action.split() or [""])[0]
