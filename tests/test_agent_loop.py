@@ -321,6 +321,32 @@ def test_branches_after_shared_prefixes_equal_each_context_alone(tiny_model_fold
         assert shared_prefill == 2 * 29 < sum(len(c) - 1 for c in contexts)
 
 
+def test_branch_history_holds_only_its_context(tiny_model_folder):
+    """What the logits processors read as a branch's history (a repetition penalty's input) holds its context and
+    pads, never the sequence's ids past the context: ids 40 and 41 end the sequence, outside the 6-id context (the
+    context's last id comes after the padded positions, where the branch feeds it again)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+
+    from trainers.agent_loop import sample_after_prefixes
+
+    class Reads(LogitsProcessor):
+        def __init__(self):
+            self.histories = []
+
+        def __call__(self, input_ids, scores):
+            self.histories.append(input_ids.clone())
+            return scores
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
+    reads = Reads()
+    sequence = [5, 6, 7, 8, 9, 10, 40, 41]
+    sample_after_prefixes(model, [sequence], [(0, 6), (0, 8)], 2, LogitsProcessorList([reads]), False, [2], 0)
+    first = reads.histories[0]  # (2, width): the short branch, then the long one; pad is 0
+    assert [t for t in first[0].tolist() if t != 0] == sequence[:6]  # its context, the ids past it padded
+    assert [t for t in first[1].tolist() if t != 0] == sequence
+
+
 def test_branches_past_the_deadline_are_empty(tiny_model_folder):
     """A deadline already past: no call starts, every branch gets no ids; a branch outside its sequence is refused."""
     from transformers import AutoModelForCausalLM

@@ -592,7 +592,8 @@ def sample_after_prefixes(
         for j, (r, p) in enumerate(chunk):
             branch_mask[j, width - len(prefixes[local[r]]) + p - 1 :] = 0  # from the context's last id on
         last = torch.tensor([[sequences[r][p - 1]] for r, p in chunk], device=device)
-        branch_ids = torch.cat([ids[rows], last], 1)
+        # the ids past a branch's context become pad, as left padding is: a repetition penalty reads only the context
+        branch_ids = torch.cat([ids[rows].masked_fill(branch_mask == 0, pad), last], 1)
         branch_mask = torch.cat([branch_mask, torch.ones_like(last)], 1)
         out, logps = sample_tokens(
             model, branch_ids, branch_mask, cache, max_new_tokens, processors, do_sample, eos, pad, deadline
