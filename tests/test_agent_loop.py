@@ -361,6 +361,20 @@ def test_branches_past_the_deadline_are_empty(tiny_model_folder):
         sample_after_prefixes(model, [[5, 6, 7]], [(0, 4)], 4, greedy, False, [2], 0)
 
 
+def test_sampler_stops_after_the_step_that_passes_its_deadline():
+    """Rows that would never end (no end id in the scripted logits) stop after the first step when the deadline is
+    already past: one new id each, not the cap of 5, so callers see them unfinished; without a deadline all 5 come."""
+    from trainers.agent_loop import logits_processors, sample_tokens
+
+    ids, mask = torch.tensor([[3, 3], [3, 3]]), torch.ones(2, 2, dtype=torch.long)
+    greedy = logits_processors(do_sample=False)
+    model = FixedLogits([torch.eye(6)[1] * 5])
+    sequences, _ = sample_tokens(model, ids, mask, NoCache(), 5, greedy, False, [4], 0, deadline=0.0)
+    assert sequences.tolist() == [[3, 3, 1], [3, 3, 1]] and model.fed == [2]
+    sequences, _ = sample_tokens(FixedLogits([torch.eye(6)[1] * 5]), ids, mask, NoCache(), 5, greedy, False, [4], 0)
+    assert sequences.shape == (2, 7)
+
+
 def test_growing_cache_layer_holds_what_a_dynamic_layer_holds():
     """The same prefill, decode writes, row selection, crop and row repetition on `GrowingLayer` and transformers'
     `DynamicLayer` leave equal keys and values (the growing layer outgrows its buffer twice on the way)."""

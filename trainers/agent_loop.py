@@ -577,17 +577,16 @@ def sample_after_prefixes(
         prefixes = [sequences[r][: max(p for q, p in chunk if q == r) - 1] for r in seqs]
         cache = growing_cache(model)
         width = max(len(x) for x in prefixes)
+        rows = torch.tensor([local[r] for r, _ in chunk], device=device)  # each branch's sequence row
         if width:
             ids, mask = left_padded(prefixes, pad, device)
             positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
             with torch.no_grad():
                 model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                       logits_to_keep=1)  # fmt: skip
+            cache.batch_select_indices(rows)
         else:
             ids = mask = torch.zeros((len(seqs), 0), dtype=torch.long, device=device)
-        rows = torch.tensor([local[r] for r, _ in chunk], device=device)
-        if width:
-            cache.batch_select_indices(rows)
         branch_mask = mask[rows].clone()
         for j, (r, p) in enumerate(chunk):
             branch_mask[j, width - len(prefixes[local[r]]) + p - 1 :] = 0  # from the context's last id on
