@@ -53,12 +53,14 @@ tiny default and for step-credit methods; 3 and 4 short, 4 for real models.
      expert's next command in words (after a mistake the step is named again, or the repair), so each command is a
      positional copy from the latest observation: read F -> `cat F`, create the directory D -> `mkdir D`, write W to
      F -> `echo W > F`, append W to F -> `echo W >> F`, copy A to B -> `cp A B`, rename A to B -> `mv A B`, move A
-     into D -> `mv A D/`, delete F -> `rm F`. The first step reads the key file, whose one word (a code from `CODES`,
-     used nowhere else) is shown by that `cat` only; a step in the second half deletes the key file, and the last
-     step writes the code into a new file: information shown only at turn 1, needed 7 or more turns later (until
-     the code is shown, the next step is reading it while its file still holds it). Every file a step touches has a
-     distractor beside it with the same stem and another extension (the key file's holds another code), checked
-     unchanged; each step works on its own paths, so a step's checks still hold after all later steps.
+     into D -> `mv A D/`, delete F -> `rm F`. The first step reads the key file, whose one line `code: <code>` (a code
+     from `CODES`, used nowhere else) is shown by that `cat` only; a step in the second half deletes the key file,
+     and the last step writes the code alone into a new file: information shown only at turn 1, needed 7 or more
+     turns later (until the code is shown, the next step is reading it while its file still holds it). No file ever
+     holds the code alone, and the shell's commands copy, move or cut whole lines, so the last check passes only
+     when the agent types the code (the repairs a `next:` line names after a mistake included). Every file a step
+     touches has a distractor beside it with the same stem and another extension (the key file's holds another
+     code), checked unchanged; each step works on its own paths, so a step's checks still hold after all later steps.
   2  the same checklist with 14-17 steps (15-18 expert turns, `max_turns` 28, 14-43 assertions), the code needed 13
      or more turns after it was shown.
   3  two or three commands (mkdir + mv, cp + append, rm -r + write, several echo/append), 4-6 assertions; the
@@ -103,6 +105,8 @@ CONTENT = [
     "meadow", "harbor", "castle", "rocket", "planet", "comet", "falcon", "tiger", "zebra", "panda", "koala", "otter",
     "walrus", "violet", "indigo", "amber", "coral",
 ]  # fmt: skip
+#: the key file's one line is this label and then the code (`code: east`); the distractor beside it, another code
+KEY_LABEL = "code:"
 #: the code a long-horizon task shows once (`cat` at turn 1) and asks for again at the end; used nowhere else
 CODES = ["north", "south", "east", "west", "spring", "summer", "autumn", "winter", "ruby", "jade", "onyx", "pearl"]
 KEYS = ["host", "port", "user", "mode", "level", "color", "region", "owner", "theme", "limit", "shell", "editor"]
@@ -1204,7 +1208,9 @@ def _checklist(rng: random.Random, level: int) -> dict:
     key = new_file(key_stem)
     code, decoy_code = rng.sample(CODES, 2)
     decoy = distractor(key_stem)
-    files = {key: f"{code}\n", decoy: f"{decoy_code}\n"}
+    # the code is a word inside the key file's line, never the whole of any file: no copy, move or redirect of a file
+    # (nor of a line, as grep, head and tail give) makes the target hold the code alone; only typing it does
+    files = {key: f"{KEY_LABEL} {code}\n", decoy: f"{KEY_LABEL} {decoy_code}\n"}
     dirs = [stems.pop()]
     solution = [f"cat {key}", f"mkdir {dirs[0]}"]
     assertions = [_a("dir_exists", dirs[0])]
@@ -1313,7 +1319,9 @@ class TerminalEnv(Env):
         "type submit when every requirement holds."
     )
     max_turns = 8  # levels 0, 3 and 4; the long-horizon levels set their own (`_CHECKLIST`)
-    level_demo_versions = {1: 1, 2: 1}  # 1: levels 1 and 2 are the checklists (a build of the former 1 or 2 is stale)
+    #: 1: levels 1 and 2 are the checklists (a build of the former 1 or 2 is stale); 2: the key file's line is
+    #: `code: <code>`, so moving it onto the target no longer passes the last check
+    level_demo_versions = {1: 2, 2: 2}
     #: the checklists need a longer warm start than level 0's 300 steps (bench/results/terminal_levels/)
     tiny_level_sft_steps = {1: 2000, 2: 2000}
 

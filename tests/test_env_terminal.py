@@ -283,7 +283,8 @@ LEVEL1_STEPS = [
     "rename images.md to archive.log", "write the code from vault.txt to report.log",
 ]  # fmt: skip
 LEVEL1_FILES = {
-    "vault.txt": "east\n", "vault.md": "south\n", "omega.txt": "ready\ncopper\n", "omega.log": "amber\ndesert\n",
+    "vault.txt": "code: east\n", "vault.md": "code: south\n", "omega.txt": "ready\ncopper\n",
+    "omega.log": "amber\ndesert\n",
     "docs.txt": "mango\ncopper\n", "docs.log": "ready\ncanyon\n", "orders.log": "coral\nurgent\n",
     "orders.md": "desert\ncherry\n", "images.md": "apple\nbanana\n", "images.txt": "marble\nolive\n",
 }  # fmt: skip
@@ -318,7 +319,7 @@ def test_level1_task_is_the_checklist_worked_out_by_hand():
         ("file_absent", "vault.txt", None),  # the key file goes
         (e, "report.log", "east"),  # the code, shown only by the first command
         # the distractors beside the key and the files the steps touch stay as they were
-        (e, "vault.md", "south\n"), (e, "omega.log", "amber\ndesert\n"), (e, "docs.log", "ready\ncanyon\n"),
+        (e, "vault.md", "code: south\n"), (e, "omega.log", "amber\ndesert\n"), (e, "docs.log", "ready\ncanyon\n"),
         (e, "orders.md", "desert\ncherry\n"), (e, "images.txt", "marble\nolive\n"),
     ]  # fmt: skip
     got = [(a["kind"], a["path"], a.get("content")) for a in task["assertions"]]
@@ -332,7 +333,7 @@ def test_level1_hand_played_episode():
     # checks passing before each command's effect: the 5 distractors and omega.txt (the copy's source) hold at start;
     # then mkdir +1, cp +1, mv +2 (absent, equals), echo +1, rm +1, mv +2, mv +2, the code +1: 17 of 17
     passed = [6, 7, 8, 10, 11, 12, 14, 16, 17]
-    outputs = ["east\n"] + [""] * 8
+    outputs = ["code: east\n"] + [""] * 8
     for k, command in enumerate(LEVEL1_COMMANDS):
         assert env.expert_action() == command
         observation, reward, done, info = env.step(command)
@@ -351,10 +352,10 @@ def test_level1_next_line_follows_mistakes():
     env.reset(task)
     # reading the distractor beside the key shows another code: the step stays
     observation, _, _, info = env.step("cat vault.md")
-    assert observation == "south\nnext: read vault.txt\n$ " and info["assertions_passed"] == 6
+    assert observation == "code: south\nnext: read vault.txt\n$ " and info["assertions_passed"] == 6
     # skipping the read: the step done, but the code must still be read while its file holds it
     assert env.step("mkdir kappa")[0] == "next: read vault.txt\n$ "
-    assert env.step("cat vault.txt")[0] == "east\nnext: copy omega.txt to kappa/photos.txt\n$ "
+    assert env.step("cat vault.txt")[0] == "code: east\nnext: copy omega.txt to kappa/photos.txt\n$ "
     env.step("cp omega.txt kappa/photos.txt")
     env.step("mv docs.txt assets.csv")
     # a wrong word: the same step again, and copying it repairs the file
@@ -380,6 +381,59 @@ def test_level1_key_deleted_before_it_was_read_leaves_the_code_unknowable():
     assert env.expert_action() == "echo east > report.log"  # the expert knows the task; the agent cannot
 
 
+@pytest.mark.parametrize("difficulty", LONG)
+@pytest.mark.parametrize("detour", [None, "mkdir extra", "mv KEY TARGET", "cp KEY TARGET"])
+def test_long_levels_only_typing_the_code_passes_the_last_check(difficulty, detour):
+    """An agent that follows every `next:` line but writes the distractor's code where the line asks for the code
+    never succeeds, whatever it did off the line at turn 2 (an unnamed mkdir, or the key file moved or copied onto
+    the target): once the line is left, its repairs never name a copy or move that puts the code in the target. The
+    same agent typing the code succeeds every time."""
+    for task in TerminalEnv.make_tasks("eval", 60, seed=5, difficulty=difficulty):
+        memory = task["memory"]
+        target = shlex.split(task["solution"][-1])[-1]
+        outcomes = []
+        for types_code in (False, True):
+            env = TerminalEnv(difficulty)
+            env.reset(task)
+            for turn in range(env.max_turns):
+                action = env.expert_action()
+                if turn == 1 and detour:
+                    action = detour.replace("KEY", memory["path"]).replace("TARGET", target)
+                words = shlex.split(action)
+                if not types_code and memory["code"] in words:
+                    action = shlex.join([memory["decoy_code"] if w == memory["code"] else w for w in words])
+                _, _, done, info = env.step(action)
+                if done:
+                    break
+            outcomes.append(info["success"])
+        assert outcomes == [False, True], (task["task_id"], detour)
+
+
+@pytest.mark.parametrize("difficulty", LONG)
+def test_long_levels_no_command_puts_the_code_alone_in_a_file(difficulty):
+    """Random command lines that copy, move, redirect or cut whole lines between every file of a task (the key file,
+    its distractor and the target included) and write any word but the code: after each, no file holds the code
+    alone, so no sequence of them passes the target's check."""
+    rng = random.Random(difficulty)
+    for task in TerminalEnv.make_tasks("train", 40, seed=6, difficulty=difficulty):
+        memory = task["memory"]
+        env = TerminalEnv(difficulty)
+        env.reset(task)
+        env.step(f"cat {memory['path']}")
+        paths = [*task["files"], shlex.split(task["solution"][-1])[-1], "scratch.txt"]
+        words = ["code", "code:", memory["code"], memory["decoy_code"], *CONTENT[:5]]
+        for _ in range(60):
+            a, b, word = rng.choice(paths), rng.choice(paths), rng.choice(words)
+            command = rng.choice([
+                f"cp {a} {b}", f"mv {a} {b}", f"cat {a} > {b}", f"cat {a} >> {b}", f"head -n 1 {a} > {b}",
+                f"tail -1 {a} > {b}", f"grep {word} {a} > {b}", f"grep -v {word} {a} > {b}",
+                f"cat {a} | grep {word} | tail -n 1 > {b}", f"wc -w {a} > {b}",
+                f"echo {rng.choice(CONTENT)} >> {b}",
+            ])  # fmt: skip
+            env.step(command)
+            assert all(c.strip() != memory["code"] for c in env.shell.files.values()), (task["task_id"], command)
+
+
 # the first training task of level 2 (seed 0): the commands translated by hand from its instruction
 LEVEL2_COMMANDS = [
     "cat tests.md", "mkdir output", "mv cache.log output/", "mkdir assets", "mkdir config", "mkdir alpha",
@@ -400,7 +454,8 @@ def test_level2_hand_played_episode():
         "append cherry to drafts.csv", "append walrus to notes.txt", "create the directory invoices",
         "write the code from tests.md to queue.md",
     ]  # fmt: skip
-    assert task["files"]["tests.md"] == "winter\n" and task["files"]["tests.log"] == "summer\n"  # key and decoy
+    assert task["files"]["tests.md"] == "code: winter\n"  # the key file
+    assert task["files"]["tests.log"] == "code: summer\n"  # its distractor
     env = TerminalEnv(2)
     assert env.max_turns == 28 and env.reset(task).endswith("\nnext: read tests.md\n$ ")
     observations = []
@@ -409,7 +464,7 @@ def test_level2_hand_played_episode():
         observation, reward, done, info = env.step(command)
         observations.append(observation)
         assert observation.endswith(f"next: {(steps + ['submit'])[k + 1]}\n$ ") and not done
-    assert observations[0] == "winter\nnext: create the directory output\n$ "
+    assert observations[0] == "code: winter\nnext: create the directory output\n$ "
     # the code shows once, at turn 1, 16 turns before it is written; by then no file holds it
     assert [k for k, o in enumerate(observations) if "winter" in o.split()] == [0]
     assert "winter" not in task["instruction"].split()
@@ -430,7 +485,7 @@ def test_long_levels_turns_distractors_and_the_early_code(difficulty, turns, gap
         assert len(solution) - 1 >= gap and solution.index(f"rm {memory['path']}") >= len(solution) // 2
         assert memory["code"] not in task["instruction"].split()
         assert [p for p, c in task["files"].items() if memory["code"] in c.split()] == [memory["path"]]
-        assert task["files"][memory["decoy"]] == f"{memory['decoy_code']}\n" and memory["decoy_code"] in CODES
+        assert task["files"][memory["decoy"]] == f"code: {memory['decoy_code']}\n" and memory["decoy_code"] in CODES
         stems = [p.partition(".")[0] for p in task["files"]]
         assert all(stems.count(s) == 2 for s in stems)  # each file has its distractor: same stem, other extension
         named = {w for c in solution for w in shlex.split(c)}
