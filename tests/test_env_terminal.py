@@ -401,7 +401,8 @@ def test_long_levels_only_typing_the_code_passes_the_last_check(difficulty, deto
                     action = detour.replace("KEY", memory["path"]).replace("TARGET", target)
                 words = shlex.split(action)
                 if not types_code and memory["code"] in words:
-                    action = shlex.join([memory["decoy_code"] if w == memory["code"] else w for w in words])
+                    # plain words throughout (names and codes need no quotes): `>` stays an operator
+                    action = " ".join(memory["decoy_code"] if w == memory["code"] else w for w in words)
                 _, _, done, info = env.step(action)
                 if done:
                     break
