@@ -36,7 +36,7 @@ def test_a_level_whose_tasks_changed_alone_has_its_own_key():
     for env, long_version, version, sft_steps, long_sft_steps in (
         ("shop", 1, None, 300, 2000),
         ("terminal", 2, None, 300, 2000),  # 2: the key file's line became `code: <code>`
-        ("search", 2, 1, 900, 900),
+        ("search", 2, 1, 900, 2000),
     ):
         for level in range(5):
             expected = long_version if level in (1, 2) else version
@@ -51,10 +51,10 @@ def test_environment_sets_its_sft_steps_unless_overridden():
     assert TinySpec.parse("tiny:shop").sft_steps == TinySpec.sft_steps == 300
     assert TinySpec.parse("tiny:search").sft_steps == SearchEnv.tiny_sft_steps == 900
     assert TinySpec.parse("tiny:search", sft_steps=20).sft_steps == 20
-    # a level may need its own: the shop's and the terminal's long levels take 2000 steps, their other levels 300
-    for env in ("shop", "terminal"):
+    # a level may need its own: the long levels 1 and 2 take 2000 steps, the others the environment's (search 900)
+    for env, other in (("shop", 300), ("terminal", 300), ("search", 900)):
         steps = [TinySpec.parse(f"tiny:{env}", difficulty=level).sft_steps for level in range(5)]
-        assert steps == [300, 2000, 2000, 300, 300], env
+        assert steps == [other, 2000, 2000, other, other], env
         assert TinySpec.parse(f"tiny:{env}", difficulty=2, sft_steps=20).sft_steps == 20  # an explicit value wins
     with pytest.raises(ValueError, match="expected 'tiny:<env>'"):
         TinySpec.parse("small:search")
