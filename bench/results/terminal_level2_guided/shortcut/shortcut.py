@@ -66,18 +66,19 @@ def episode(e) -> tuple[bool, bool, int | None, str]:
     return shortcut, hinted, off, word
 
 
-for arg in sys.argv[1:]:
-    name, path = arg.split("=", 1)
-    for mode in ("sampled", "greedy"):
-        eps = [r for r in rows(path) if r["mode"] == mode]
-        stats = [(episode(e), e["success"]) for e in eps]
-        used = [ok for (s, *_), ok in stats if s]
-        other = [ok for (s, *_), ok in stats if not s]
-        offs = collections.Counter(x[2] for x, _ in stats if x[2] is not None)
-        words = collections.Counter(x[3] for x, _ in stats if x[2] is not None)
-        print(
-            f"{name} {mode}: success {sum(ok for _, ok in stats)}/{len(eps)}; shortcut {len(used)}/{len(eps)} "
-            f"(succeeded {sum(used)}); hinted {sum(x[1] for x, _ in stats)}; without the shortcut succeeded "
-            f"{sum(other)}/{len(other)}; first turn off the line {dict(sorted(offs.items()))} "
-            f"(never: {len(eps) - sum(offs.values())}), command {dict(words.most_common(3))}"
-        )
+if __name__ == "__main__":  # failures.py (terminal_level2_closed) imports FORMS and rows
+    for arg in sys.argv[1:]:
+        name, path = arg.split("=", 1)
+        for mode in ("sampled", "greedy"):
+            eps = [r for r in rows(path) if r["mode"] == mode]
+            stats = [(episode(e), e["success"]) for e in eps]
+            used = [ok for (s, *_), ok in stats if s]
+            other = [ok for (s, *_), ok in stats if not s]
+            offs = collections.Counter(x[2] for x, _ in stats if x[2] is not None)
+            words = collections.Counter(x[3] for x, _ in stats if x[2] is not None)
+            print(
+                f"{name} {mode}: success {sum(ok for _, ok in stats)}/{len(eps)}; shortcut {len(used)}/{len(eps)} "
+                f"(succeeded {sum(used)}); hinted {sum(x[1] for x, _ in stats)}; without the shortcut succeeded "
+                f"{sum(other)}/{len(other)}; first turn off the line {dict(sorted(offs.items()))} "
+                f"(never: {len(eps) - sum(offs.values())}), command {dict(words.most_common(3))}"
+            )
