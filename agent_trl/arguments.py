@@ -101,6 +101,14 @@ class RunArguments:
     tiny_num_demos: int | None = field(
         default=None, metadata={"help": "Demonstrations the tiny default is warm-started on (default: 2000)."}
     )
+    tiny_split_brackets: bool = field(
+        default=False,
+        metadata={
+            "help": "Build the tiny default's tokenizer with `[` split from the word after it, so that a word typed "
+            "in an action's brackets (checkout[fig]) is the same token as where an observation shows it ([fig]); "
+            "the Qwen2 pre-tokeniser otherwise joins them (`[fig`). Default off: the standard build."
+        },
+    )
     audit_filter: str | None = field(
         default=None,
         metadata={

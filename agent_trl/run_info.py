@@ -24,7 +24,11 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
         return name
     kind, _, target = name.partition(":")
     if name == "tiny" and env is None:  # a tiny default for the dataset, warm-started on its answers
-        sizes = {"sft_steps": run.tiny_sft_steps, "num_demos": run.tiny_num_demos}
+        sizes = {
+            "sft_steps": run.tiny_sft_steps,
+            "num_demos": run.tiny_num_demos,
+            "split_brackets": run.tiny_split_brackets or None,
+        }
         sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
         for name in ("tiny_privileged_frac", "tiny_guidance_frac"):
             if getattr(run, name):
@@ -45,6 +49,7 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
         "num_demos": run.tiny_num_demos,
         "privileged_frac": run.tiny_privileged_frac,
         "guidance_frac": run.tiny_guidance_frac,
+        "split_brackets": run.tiny_split_brackets or None,
         "env_kwargs": json.dumps(settings, sort_keys=True) if settings and (own or is_adapter_spec(target)) else None,
         # your class without make_tasks: the expert plays the run's training rows (a dataset's)
         "tasks": [row_task(row) for row in sources.train] if own and sources.environment.make_tasks is None else None,

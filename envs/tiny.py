@@ -115,6 +115,10 @@ class TinySpec:
     #: the environment's settings (environment_kwargs) as sorted JSON, for an ecosystem environment whose tasks they
     #: define (`envs/adapters/`); left out of the cache key while empty, so earlier builds keep their keys
     env_kwargs: str = ""
+    #: split `[` from the word after it in the tokenizer's pre-tokenizer (`build_tokenizer`), so that a word typed
+    #: inside an action's brackets (`checkout[fig]`) is the token it is where an observation shows it (`[fig]`,
+    #: after a space); left out of the cache key while False, so earlier builds keep their keys
+    split_brackets: bool = False
 
     @classmethod
     def parse(cls, name: str, **overrides) -> TinySpec:
@@ -147,7 +151,7 @@ class TinySpec:
         when it has one; left out while 0, so keys made before it existed stay valid) and, for a class named by import
         path, of the file that defines it."""
         settings = asdict(self)
-        for optional in ("privileged_frac", "guidance_frac", "env_kwargs"):
+        for optional in ("privileged_frac", "guidance_frac", "env_kwargs", "split_brackets"):
             if not settings[optional]:
                 del settings[optional]
         env_cls = self.env_class()
@@ -307,15 +311,19 @@ def check_played_expert(make_env: Callable[[dict], Env], tasks: list[dict], name
         )
 
 
-def build_tokenizer(texts: list[str], vocab_size: int = 1024):
-    """Byte-level BPE with the Qwen2 normaliser and pre-tokeniser, wrapped as a fast tokenizer with a chat template."""
+def build_tokenizer(texts: list[str], vocab_size: int = 1024, split_brackets: bool = False):
+    """Byte-level BPE with the Qwen2 normaliser and pre-tokeniser, wrapped as a fast tokenizer with a chat template.
+    The Qwen2 pre-tokeniser joins one non-letter to the letters after it (`checkout[fig]` -> `checkout`, `[fig`, `]`);
+    `split_brackets` first cuts `[` off on its own (`checkout`, `[`, `fig`, `]`)."""
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
+    splits = [pre_tokenizers.Split(Regex(r"\["), behavior="isolated", invert=False)] if split_brackets else []
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
+        splits
+        + [
             pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
@@ -490,7 +498,7 @@ def tiny_model(name: str, difficulty: int = 0, seed: int = 0, tasks: list[dict] 
     )
     # the role words are repeated so that each becomes one token (short sequences are fast sequences)
     texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
-    tokenizer = build_tokenizer(texts, spec.vocab_size)
+    tokenizer = build_tokenizer(texts, spec.vocab_size, spec.split_brackets)
     build_and_save(spec, tokenizer, demos, folder)
     return str(folder)
 
@@ -542,6 +550,6 @@ def tiny_dataset_model(rows: list[dict], seed: int = 0, **overrides) -> str:
                 demos.append({"messages": [*r["prompt"], {"role": "assistant", "content": answer}]})
     texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200
     texts += [_text(r["prompt"]) for r in rows] + ([str(r[column]) for r in rows] if column else [])
-    tokenizer = build_tokenizer(texts, spec.vocab_size)
+    tokenizer = build_tokenizer(texts, spec.vocab_size, spec.split_brackets)
     build_and_save(spec, tokenizer, demos, folder)
     return str(folder)
