@@ -106,7 +106,8 @@ class RunArguments:
         metadata={
             "help": "Build the tiny default's tokenizer with `[` split from the word after it, so that a word typed "
             "in an action's brackets (checkout[fig]) is the same token as where an observation shows it ([fig]); "
-            "the Qwen2 pre-tokeniser otherwise joins them (`[fig`). Default off: the standard build."
+            "the Qwen2 pre-tokeniser otherwise joins them (`[fig`). It did not make shop or search level 2 start "
+            "(bench/results/split_brackets/). Default off: the standard build."
         },
     )
     audit_filter: str | None = field(

@@ -37,7 +37,6 @@ TARGETS = {
     "terminal": [("code in the last write", r"echo (\w+) > \S+", "last")],
 }[ENV]
 
-torch.manual_seed(0)
 tokenizer = AutoTokenizer.from_pretrained(FOLDER)
 model = AutoModelForCausalLM.from_pretrained(FOLDER).eval()
 env_cls = ENVIRONMENTS[ENV]
