@@ -11,7 +11,9 @@ The character before the word (the bracket, or the terminal's space) is part of 
 that joins it to the word (`[fig`) and one that splits it (`[`, `fig`) are scored on the same text. "greedy right":
 every token of the span is the model's top choice.
 
-    OMP_NUM_THREADS=1 python bench/results/split_brackets/recall.py shop <model folder> [n tasks]
+    OMP_NUM_THREADS=1 python bench/results/split_brackets/recall.py shop <model folder> [n tasks] [level]
+
+(level 2 unless given; level 1 has the same actions and asks for the word at a shorter range)
 """
 
 import math
@@ -26,7 +28,7 @@ from envs.tiny import played_demonstrations
 
 ENV, FOLDER = sys.argv[1], sys.argv[2]
 N = int(sys.argv[3]) if len(sys.argv) > 3 else 200
-LEVEL = 2
+LEVEL = int(sys.argv[4]) if len(sys.argv) > 4 else 2
 # (name, pattern of the action that types the word (group 1), which of the matching actions is scored)
 TARGETS = {
     "shop": [

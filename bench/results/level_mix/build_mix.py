@@ -1,0 +1,65 @@
+"""A tiny default built from scratch on demonstrations of several levels, saved every few hundred SFT steps so that
+the recall of each saved model can be probed while the build goes on: does a build that also sees the word recalled
+at a shorter range (level 1) learn the recall at level 2's range, where a build on level 2 alone does not?
+
+The recipe is `envs/tiny.py`'s (`TinySpec` defaults and the environment's level settings: noise 0.3, 2000
+demonstrations per level on the training tasks, a tokenizer trained on their text, Qwen2 hidden 128 x 2 layers, SFT
+batch 32 at 3e-3 constant after 10 warm-up steps), with the demonstrations of every level named, shuffled together by
+the trainer. Checkpoints: <out>/checkpoint-<step> (model and tokenizer, what `recall.py` and `attention.py` read).
+
+python bench/results/level_mix/build_mix.py <env> <out folder> <steps> <save every> <level> [<level> ...]
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from trl import SFTConfig, SFTTrainer
+
+from envs.sources import load_environment
+from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, played_demonstrations
+
+env, out, steps, every = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+levels = [int(v) for v in sys.argv[5:]]
+spec = TinySpec.parse(f"tiny:{env}", difficulty=max(levels))
+spec = dataclasses.replace(spec, sft_steps=steps)
+demos = []
+for level in levels:
+    source = load_environment(env, None, level)
+    tasks = source.make_tasks("train", spec.num_demos, seed=spec.seed, difficulty=level)
+    demos += played_demonstrations(source.factory, tasks, spec.seed, spec.noise)
+print(f"{len(demos)} demonstrations of levels {levels}", flush=True)
+texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
+tokenizer = build_tokenizer(texts, spec.vocab_size, spec.split_brackets)
+model = build_model(spec, tokenizer)
+out.mkdir(parents=True, exist_ok=True)
+(out / "tiny_spec.json").write_text(json.dumps({**dataclasses.asdict(spec), "levels_trained": levels}, indent=2))
+args = SFTConfig(
+    output_dir=str(out),
+    max_steps=spec.sft_steps,
+    per_device_train_batch_size=spec.sft_batch_size,
+    learning_rate=spec.sft_lr,
+    lr_scheduler_type="constant_with_warmup",
+    warmup_steps=10,
+    assistant_only_loss=True,
+    max_length=spec.max_positions,
+    logging_steps=50,
+    save_strategy="steps",
+    save_steps=every,
+    save_only_model=True,
+    report_to="none",
+    seed=spec.seed,
+    use_cpu=not torch.cuda.is_available(),
+    bf16=False,
+    activation_checkpointing=False,
+)
+trainer = SFTTrainer(
+    model=model,
+    args=args,
+    train_dataset=Dataset.from_list([{"messages": d} for d in demos]),
+    processing_class=tokenizer,
+)
+trainer.train()
