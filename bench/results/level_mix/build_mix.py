@@ -8,10 +8,15 @@ batch 32 at 3e-3 constant after 10 warm-up steps), with the demonstrations of ev
 the trainer. Checkpoints: <out>/checkpoint-<step> (model and tokenizer, what `recall.py` and `attention.py` read).
 
 python bench/results/level_mix/build_mix.py <env> <out folder> <steps> <save every> <level> [<level> ...]
+
+With `SHOP_COUPON_NOISE=other` in the environment, the shop's noisy checkout (a wrong coupon, at the end of a list)
+types another coupon word only, never the last id in the cart (`ShopEnv.noisy_action` draws one of the two): a
+mistake that no earlier word shows, as the terminal's noisy code step writes a code the episode never showed.
 """
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +26,18 @@ from trl import SFTConfig, SFTTrainer
 
 from envs.sources import load_environment
 from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, played_demonstrations
+
+if os.environ.get("SHOP_COUPON_NOISE") == "other":
+    from envs.shop import COUPONS, ShopEnv
+
+    list_noise = ShopEnv.noisy_action
+
+    def other_coupon_noise(self, rng):
+        if self._is_list() and len(self.cart) == len(self.task["targets"]):
+            return f"checkout[{rng.choice([w for w in COUPONS if w != self.task['coupon']])}]"
+        return list_noise(self, rng)
+
+    ShopEnv.noisy_action = other_coupon_noise
 
 env, out, steps, every = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 levels = [int(v) for v in sys.argv[5:]]
@@ -36,7 +53,9 @@ texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["conten
 tokenizer = build_tokenizer(texts, spec.vocab_size, spec.split_brackets)
 model = build_model(spec, tokenizer)
 out.mkdir(parents=True, exist_ok=True)
-(out / "tiny_spec.json").write_text(json.dumps({**dataclasses.asdict(spec), "levels_trained": levels}, indent=2))
+info = {**dataclasses.asdict(spec), "levels_trained": levels}
+info["shop_coupon_noise"] = os.environ.get("SHOP_COUPON_NOISE", "")
+(out / "tiny_spec.json").write_text(json.dumps(info, indent=2))
 args = SFTConfig(
     output_dir=str(out),
     max_steps=spec.sft_steps,
