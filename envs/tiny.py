@@ -345,6 +345,13 @@ def build_tokenizer(texts: list[str], vocab_size: int = 1024, split_brackets: bo
     return fast
 
 
+def demonstration_tokenizer(demos: list[list[dict]], spec: TinySpec):
+    """The tokenizer of a tiny build, trained on its demonstrations' text and the chat template."""
+    # the role words are repeated so that each becomes one token (short sequences are fast sequences)
+    texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
+    return build_tokenizer(texts, spec.vocab_size, spec.split_brackets)
+
+
 def build_model(spec: TinySpec, tokenizer):
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen3MoeConfig
 
@@ -380,13 +387,14 @@ def build_model(spec: TinySpec, tokenizer):
     return model
 
 
-def sft(model, tokenizer, demos: list, spec: TinySpec, output_dir: str):
+def sft(model, tokenizer, demos: list, spec: TinySpec, output_dir: str, **config):
     """Warm start with TRL's SFTTrainer on assistant turns only. `demos` are chat transcripts (message lists), or
-    dataset rows (`{"messages": ...}` or `{"prompt": text, "completion": text}`, the loss on the completion only)."""
+    dataset rows (`{"messages": ...}` or `{"prompt": text, "completion": text}`, the loss on the completion only).
+    `config`: `SFTConfig` fields that replace the recipe's (e.g. `save_strategy="steps"` to keep checkpoints)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(
+    recipe = dict(
         output_dir=output_dir,
         max_steps=spec.sft_steps,
         per_device_train_batch_size=spec.sft_batch_size,
@@ -406,7 +414,7 @@ def sft(model, tokenizer, demos: list, spec: TinySpec, output_dir: str):
     )
     trainer = SFTTrainer(
         model=model,
-        args=args,
+        args=SFTConfig(**{**recipe, **config}),
         train_dataset=Dataset.from_list([d if isinstance(d, dict) else {"messages": d} for d in demos]),
         processing_class=tokenizer,
     )
@@ -496,10 +504,7 @@ def tiny_model(name: str, difficulty: int = 0, seed: int = 0, tasks: list[dict] 
     demos = played_demonstrations(
         source.factory, tasks, spec.seed, spec.noise, spec.privileged_frac, spec.guidance_frac
     )
-    # the role words are repeated so that each becomes one token (short sequences are fast sequences)
-    texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
-    tokenizer = build_tokenizer(texts, spec.vocab_size, spec.split_brackets)
-    build_and_save(spec, tokenizer, demos, folder)
+    build_and_save(spec, demonstration_tokenizer(demos, spec), demos, folder)
     return str(folder)
 
 

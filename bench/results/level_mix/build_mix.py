@@ -11,7 +11,7 @@ python bench/results/level_mix/build_mix.py <env> <out folder> <steps> <save eve
 
 With `SHOP_COUPON_NOISE=other` in the environment, the shop's noisy checkout (a wrong coupon, at the end of a list)
 types another coupon word only, never the last id in the cart (`ShopEnv.noisy_action` draws one of the two): a
-mistake that no earlier word shows, as the terminal's noisy code step writes a code the episode never showed.
+mistake that copies no earlier word, as the terminal's noisy code step mostly writes a code its episode never showed.
 """
 
 import dataclasses
@@ -20,12 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-from datasets import Dataset
-from trl import SFTConfig, SFTTrainer
-
 from envs.sources import load_environment
-from envs.tiny import CHAT_TEMPLATE, TinySpec, build_model, build_tokenizer, played_demonstrations
+from envs.tiny import TinySpec, build_model, demonstration_tokenizer, played_demonstrations, sft
 
 if os.environ.get("SHOP_COUPON_NOISE") == "other":
     from envs.shop import COUPONS, ShopEnv
@@ -49,36 +45,10 @@ for level in levels:
     tasks = source.make_tasks("train", spec.num_demos, seed=spec.seed, difficulty=level)
     demos += played_demonstrations(source.factory, tasks, spec.seed, spec.noise)
 print(f"{len(demos)} demonstrations of levels {levels}", flush=True)
-texts = [CHAT_TEMPLATE] + ["user\nassistant\nsystem\ntool\n"] * 200 + [m["content"] for d in demos for m in d]
-tokenizer = build_tokenizer(texts, spec.vocab_size, spec.split_brackets)
+tokenizer = demonstration_tokenizer(demos, spec)
 model = build_model(spec, tokenizer)
 out.mkdir(parents=True, exist_ok=True)
 info = {**dataclasses.asdict(spec), "levels_trained": levels}
 info["shop_coupon_noise"] = os.environ.get("SHOP_COUPON_NOISE", "")
 (out / "tiny_spec.json").write_text(json.dumps(info, indent=2))
-args = SFTConfig(
-    output_dir=str(out),
-    max_steps=spec.sft_steps,
-    per_device_train_batch_size=spec.sft_batch_size,
-    learning_rate=spec.sft_lr,
-    lr_scheduler_type="constant_with_warmup",
-    warmup_steps=10,
-    assistant_only_loss=True,
-    max_length=spec.max_positions,
-    logging_steps=50,
-    save_strategy="steps",
-    save_steps=every,
-    save_only_model=True,
-    report_to="none",
-    seed=spec.seed,
-    use_cpu=not torch.cuda.is_available(),
-    bf16=False,
-    activation_checkpointing=False,
-)
-trainer = SFTTrainer(
-    model=model,
-    args=args,
-    train_dataset=Dataset.from_list([{"messages": d} for d in demos]),
-    processing_class=tokenizer,
-)
-trainer.train()
+sft(model, tokenizer, demos, spec, str(out), save_strategy="steps", save_steps=every, save_only_model=True)

@@ -4,7 +4,8 @@
 #   SPLIT2     the shop level-2 build with tiny_split_brackets, ../split_brackets/
 #   SEARCH1    the default search level-1 build, SEARCH2 the default search level-2 build, ../search_levels/
 #   TERM1      the default terminal level-1 build with the code: label, ../terminal_levels/
-#   MIXCONT    SHOP2 continued 500 steps on levels 1 and 2 (continue_mix.py SHOP2 <out> 500 1 2; <out>/plus500)
+#   MIXCONT    SHOP2 continued 500 steps on levels 1 and 2 (../search_levels/continue_sft.py SHOP2 <out> 500 1 1 2;
+#              <out>/plus500)
 #   SCRATCH    the checkpoints folder of build_mix.py shop <SCRATCH> 2000 300 1 2
 #   SEARCHG    the search level-2 build with tiny_guidance_frac 0.5 (eval.sh 2 960 --tiny_guidance_frac 0.5)
 # usage: run.sh SHOP2 SPLIT2 SEARCH1 SEARCH2 TERM1 MIXCONT SCRATCH SEARCHG

@@ -4,8 +4,11 @@ The continuation repeats the build's recipe (`envs/tiny.py`: the same demonstrat
 constant schedule after 10 warm-up steps, batch size) on the saved model; its optimizer state starts afresh, so it
 approximates a longer build rather than reproducing one.
 
-python bench/results/search_levels/continue_sft.py <built tiny folder> <out folder> <steps per chunk> <chunks>
-Each chunk is saved as <out folder>/plus<steps so far>, a folder `python -m agent_trl.evaluate --model` reads."""
+python bench/results/search_levels/continue_sft.py <built tiny folder> <out folder> <steps per chunk> <chunks> \
+    [level ...]
+Each chunk is saved as <out folder>/plus<steps so far>, a folder `python -m agent_trl.evaluate --model` reads. Levels
+named at the end: train on the demonstrations of each (as many per level as the build had, from the same training-task
+seed; the build's own level among them for its demonstrations), e.g. `1 2` for a level-2 build (../level_mix/)."""
 
 import dataclasses
 import json
@@ -19,9 +22,13 @@ from envs.tiny import TinySpec, played_demonstrations, sft
 
 built, out, chunk, chunks = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 spec = TinySpec(**json.loads((built / "tiny_spec.json").read_text()))
-source = load_environment(spec.env, json.loads(spec.env_kwargs) if spec.env_kwargs else None, spec.difficulty)
-tasks = source.make_tasks("train", spec.num_demos, seed=spec.seed, difficulty=spec.difficulty)
-demos = played_demonstrations(source.factory, tasks, spec.seed, spec.noise, spec.privileged_frac, spec.guidance_frac)
+levels = [int(v) for v in sys.argv[5:]] or [spec.difficulty]
+demos = []
+for level in levels:
+    source = load_environment(spec.env, json.loads(spec.env_kwargs) if spec.env_kwargs else None, level)
+    tasks = source.make_tasks("train", spec.num_demos, seed=spec.seed, difficulty=level)
+    fracs = (spec.privileged_frac, spec.guidance_frac)
+    demos += played_demonstrations(source.factory, tasks, spec.seed, spec.noise, *fracs)
 tokenizer = AutoTokenizer.from_pretrained(built)
 model = AutoModelForCausalLM.from_pretrained(built)
 for i in range(1, chunks + 1):
@@ -31,5 +38,8 @@ for i in range(1, chunks + 1):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     steps = spec.sft_steps + i * chunk
-    (folder / "tiny_spec.json").write_text(json.dumps({**dataclasses.asdict(spec), "sft_steps": steps}, indent=2))
+    info = {**dataclasses.asdict(spec), "sft_steps": steps}
+    if levels != [spec.difficulty]:
+        info["continued_on_levels"] = levels
+    (folder / "tiny_spec.json").write_text(json.dumps(info, indent=2))
     print(f"saved {folder} ({steps} SFT steps in all)", flush=True)
