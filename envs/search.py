@@ -344,7 +344,9 @@ class SearchEnv(Env):
     )
     max_turns = 6  # levels 0, 3 and 4; the long-horizon levels set their own (`_LONG_MAX_TURNS`)
     demo_version = 1  # 1: level-0 names from NAME_POOL
-    level_demo_versions = {1: 2, 2: 2}  # 2: levels 1 and 2 are the road chains (the two-hop ones are 3 and 4)
+    #: 2: levels 1 and 2 are the road chains (the two-hop ones are 3 and 4); 3: the noisy answer names no town the
+    #: episode showed nearby
+    level_demo_versions = {1: 3, 2: 3}
     # after 300 SFT steps the tiny default copied no name (held-out success 0.0 sampled and greedy); after 900:
     # 0.09 sampled, 0.48 greedy on 100 eval tasks
     tiny_sft_steps = 900
@@ -447,17 +449,19 @@ class SearchEnv(Env):
         """A plausible mistake on the road chain. Before its end: search the current town again (no progress), the
         town before it (back along the road), an entity of a distractor that mentions the current town (off the
         chain: a dead end's side road, a country, another person), or another person of the corpus; or answer before
-        the road has ended (from the third town on). At the end: answer without the first town, with the second town
-        or the person instead of the first, or with a town someone else was born in; or search the last town again."""
+        the road has ended (from the third town on). At the end: answer without the first town, or with the birthplace
+        of someone off the chain instead (a town the episode shows only after a wrong search); or search the last town
+        again. Not with a word the episode showed nearby (the second town, the person), which a build learns to copy
+        instead of recalling the first town (bench/results/level_mix/)."""
         task, k = self.task, self._progress
         hops, towns, support = task["hops"], task["hops"][1:], task["support"]
         others = [f for j, f in enumerate(task["facts"]) if j not in support]
         people = [s for s, rel, _ in others if rel == "born"]
         if k == len(hops):
             last = towns[-1]
-            options = [f"answer[{last}]", f"answer[{towns[1]} to {last}]", f"answer[{hops[0]} to {last}]"]
-            options += [f"answer[{o} to {last}]" for _, rel, o in others if rel == "born" and o in towns[1:]]
-            return rng.choice([*options, f"search[{last}]"])
+            off_chain = [o for _, rel, o in others if rel == "born" and o not in towns]
+            wrong_first = [f"answer[{rng.choice(off_chain)} to {last}]"] if off_chain else []
+            return rng.choice([f"answer[{last}]", *wrong_first, f"search[{last}]"])
         options = [f"search[{rng.choice(people)}]"]
         if k >= 1:
             current = hops[k - 1]

@@ -626,6 +626,25 @@ def test_list_noisy_actions_are_plausible_and_the_expert_recovers(level):
     assert kinds == {"search", "click", "choose", "add", "checkout"}
 
 
+@pytest.mark.parametrize("level", LIST_LEVELS)
+def test_list_noisy_checkout_names_a_coupon_the_episode_never_showed(level):
+    """The noisy checkout is a coupon word other than the task's, so it copies nothing the episode showed (a build
+    would learn that copy instead of recalling the coupon); over 40 draws each of the 19 others can come up."""
+    typed: set[str] = set()
+    for i, task in enumerate(ShopEnv.make_tasks("train", 20, seed=2, difficulty=level)):
+        env = ShopEnv(difficulty=level)
+        shown = [env.reset(task)]
+        while not env.expert_action().startswith("checkout["):
+            shown.append(env.step(env.expert_action())[0])
+        shown_words = set(re.findall(r"\w+", " ".join(shown).replace(f"coupon [{task['coupon']}]", "")))
+        rng = random.Random(i)
+        for _ in range(40):
+            word = re.fullmatch(r"checkout\[(\w+)\]", env.noisy_action(rng)).group(1)
+            assert word != task["coupon"] and word not in shown_words, (word, shown)
+            typed.add(word)
+    assert len(typed) >= 19
+
+
 def test_list_noisy_expert_keeps_some_successes_and_fits_the_budget():
     for level, (low, high) in {1: (0.3, 0.65), 2: (0.15, 0.5)}.items():
         wins = cut = 0

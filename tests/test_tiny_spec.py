@@ -34,9 +34,9 @@ def test_a_level_whose_tasks_changed_alone_has_its_own_key():
     # the long levels 1 and 2 carry a version of their own: a build of the former level 1 or 2 (keyed without it,
     # or with the class's version) is never taken for them; levels 0, 3 and 4 keep the class's
     for env, long_version, version, sft_steps, long_sft_steps in (
-        ("shop", 1, None, 300, 2000),
+        ("shop", 2, None, 300, 2000),  # 2: the noisy checkout types another coupon, never a cart id
         ("terminal", 2, None, 300, 2000),  # 2: the key file's line became `code: <code>`
-        ("search", 2, 1, 900, 2000),
+        ("search", 3, 1, 900, 2000),  # 3: the noisy answer names no chain town and not the person
     ):
         for level in range(5):
             expected = long_version if level in (1, 2) else version
@@ -72,9 +72,9 @@ def test_search_level_0_names_come_from_the_pool():
 def test_the_mixed_pool_versions_each_level_from_its_parts(monkeypatch):
     from envs.mixed import MixedEnv
 
-    # shop 0 / search 1 / terminal 0 at levels 0, 3, 4; at 1 and 2 shop 1, search 2, terminal 2 (their long levels)
+    # shop 0 / search 1 / terminal 0 at levels 0, 3, 4; at 1 and 2 shop 2, search 3, terminal 2 (their long levels)
     assert MixedEnv.demo_version == 0 * 10_000 + 1 * 100 + 0
-    assert MixedEnv.level_demo_versions == {1: 10_202, 2: 10_202}
+    assert MixedEnv.level_demo_versions == {1: 20_302, 2: 20_302}
     now = TinySpec.parse("tiny:mixed", difficulty=1).key()
     monkeypatch.setattr(MixedEnv, "level_demo_versions", {})  # as keyed before the long levels
     assert TinySpec.parse("tiny:mixed", difficulty=1).key() != now
