@@ -451,8 +451,9 @@ class SearchEnv(Env):
         chain: a dead end's side road, a country, another person), or another person of the corpus; or answer before
         the road has ended (from the third town on). At the end: answer without the first town, or with the birthplace
         of someone off the chain instead (a town the episode shows only after a wrong search); or search the last town
-        again. Not with a word the episode showed nearby (the second town, the person), which a build learns to copy
-        instead of recalling the first town (bench/results/level_mix/)."""
+        again. Not with a word the episode showed nearby (the second town, the person): the shop's level-2 build
+        learned such a copy instead of recalling its coupon, and without these the first town is recalled more often
+        (bench/results/level_mix/)."""
         task, k = self.task, self._progress
         hops, towns, support = task["hops"], task["hops"][1:], task["support"]
         others = [f for j, f in enumerate(task["facts"]) if j not in support]

@@ -629,7 +629,7 @@ def test_list_noisy_actions_are_plausible_and_the_expert_recovers(level):
 @pytest.mark.parametrize("level", LIST_LEVELS)
 def test_list_noisy_checkout_names_a_coupon_the_episode_never_showed(level):
     """The noisy checkout is a coupon word other than the task's, so it copies nothing the episode showed (a build
-    would learn that copy instead of recalling the coupon); over 40 draws each of the 19 others can come up."""
+    would learn that copy instead of recalling the coupon); over 20 tasks, 40 draws each, at least 19 words come up."""
     typed: set[str] = set()
     for i, task in enumerate(ShopEnv.make_tasks("train", 20, seed=2, difficulty=level)):
         env = ShopEnv(difficulty=level)
