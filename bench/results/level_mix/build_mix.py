@@ -9,31 +9,17 @@ the trainer. Checkpoints: <out>/checkpoint-<step> (model and tokenizer, what `re
 
 python bench/results/level_mix/build_mix.py <env> <out folder> <steps> <save every> <level> [<level> ...]
 
-With `SHOP_COUPON_NOISE=other` in the environment, the shop's noisy checkout (a wrong coupon, at the end of a list)
-types another coupon word only, never the last id in the cart (`ShopEnv.noisy_action` draws one of the two): a
-mistake that copies no earlier word, as the terminal's noisy code step mostly writes a code its episode never showed.
+The builds of this folder's README ran on the shop's former demonstrations (demonstration version 1, whose noisy
+checkout could copy the last id in the cart); the same command now plays the current ones.
 """
 
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
 from envs.sources import load_environment
 from envs.tiny import TinySpec, build_model, demonstration_tokenizer, played_demonstrations, sft
-
-if os.environ.get("SHOP_COUPON_NOISE") == "other":
-    from envs.shop import COUPONS, ShopEnv
-
-    list_noise = ShopEnv.noisy_action
-
-    def other_coupon_noise(self, rng):
-        if self._is_list() and len(self.cart) == len(self.task["targets"]):
-            return f"checkout[{rng.choice([w for w in COUPONS if w != self.task['coupon']])}]"
-        return list_noise(self, rng)
-
-    ShopEnv.noisy_action = other_coupon_noise
 
 env, out, steps, every = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 levels = [int(v) for v in sys.argv[5:]]
@@ -49,6 +35,5 @@ tokenizer = demonstration_tokenizer(demos, spec)
 model = build_model(spec, tokenizer)
 out.mkdir(parents=True, exist_ok=True)
 info = {**dataclasses.asdict(spec), "levels_trained": levels}
-info["shop_coupon_noise"] = os.environ.get("SHOP_COUPON_NOISE", "")
 (out / "tiny_spec.json").write_text(json.dumps(info, indent=2))
 sft(model, tokenizer, demos, spec, str(out), save_strategy="steps", save_steps=every, save_only_model=True)

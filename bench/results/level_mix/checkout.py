@@ -1,6 +1,6 @@
 """What a shop build types at checkout, teacher-forced on the expert's own episodes of held-out tasks: the
-probability of the first token of the right coupon, of the last id in the cart (one of the two mistakes the noisy
-demonstrations make there: `ShopEnv.noisy_action`), and of any coupon word.
+probability of the first token of the right coupon, of the last id in the cart (what half the noisy checkouts typed
+in the shop's demonstrations before their version 2: `ShopEnv.level_demo_versions`), and of any coupon word.
 
     OMP_NUM_THREADS=1 python bench/results/level_mix/checkout.py <shop model folder> [level] [n tasks]
 """
