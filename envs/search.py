@@ -345,8 +345,8 @@ class SearchEnv(Env):
     max_turns = 6  # levels 0, 3 and 4; the long-horizon levels set their own (`_LONG_MAX_TURNS`)
     demo_version = 1  # 1: level-0 names from NAME_POOL
     #: 2: levels 1 and 2 are the road chains (the two-hop ones are 3 and 4); 3: the noisy answer names no town the
-    #: episode showed nearby
-    level_demo_versions = {1: 3, 2: 3}
+    #: episode showed nearby; 4: at level 2 the early answer is among the noisy options a quarter of the time
+    level_demo_versions = {1: 3, 2: 4}
     # after 300 SFT steps the tiny default copied no name (held-out success 0.0 sampled and greedy); after 900:
     # 0.09 sampled, 0.48 greedy on 100 eval tasks
     tiny_sft_steps = 900
@@ -449,11 +449,13 @@ class SearchEnv(Env):
         """A plausible mistake on the road chain. Before its end: search the current town again (no progress), the
         town before it (back along the road), an entity of a distractor that mentions the current town (off the
         chain: a dead end's side road, a country, another person), or another person of the corpus; or answer before
-        the road has ended (from the third town on). At the end: answer without the first town, or with the birthplace
-        of someone off the chain instead (a town the episode shows only after a wrong search); or search the last town
-        again. Not with a word the episode showed nearby (the second town, the person): the shop's level-2 build
-        learned such a copy instead of recalling its coupon, and without these the first town is recalled more often
-        (bench/results/level_mix/)."""
+        the road has ended (from the third town on). At level 2, whose road is twice as long, that answer is among the
+        options only a quarter of the time: always there, it ended 0.31 of the noisy demonstrations (level 1: 0.11)
+        and half of the level-2 build's sampled answers came early; a quarter ends 0.09 (bench/results/level_mix/).
+        At the end: answer without the first town, or with the birthplace of someone off the chain instead (a town
+        the episode shows only after a wrong search); or search the last town again. Not with a word the episode
+        showed nearby (the second town, the person): the shop's level-2 build learned such a copy instead of
+        recalling its coupon, and without these the first town is recalled more often (bench/results/level_mix/)."""
         task, k = self.task, self._progress
         hops, towns, support = task["hops"], task["hops"][1:], task["support"]
         others = [f for j, f in enumerate(task["facts"]) if j not in support]
@@ -470,6 +472,6 @@ class SearchEnv(Env):
             options += [f"search[{o if s == current else s}]" for s, _, o in others if current in (s, o)]
         if k >= 2:
             options.append(f"search[{hops[k - 2]}]")
-        if k >= 3:
+        if k >= 3 and (self.difficulty == 1 or rng.random() < 0.25):
             options.append(f"answer[{towns[0]} to {hops[k - 1]}]")
         return rng.choice(options)

@@ -488,6 +488,20 @@ def test_long_noisy_actions_by_hand(task, searched, expected):
     assert {env.noisy_action(rng) for _ in range(300)} == expected
 
 
+@pytest.mark.parametrize(("difficulty", "share"), [(1, 1 / 5), (2, 1 / 4 * 1 / 5)])
+def test_long_noisy_early_answer_share(difficulty, share):
+    """After four searches of HAND_LONG_2 (current town Sorin) the other mistakes are four draws: the other person,
+    Sorin again, the distractor that mentions Sorin (Dunei Pask, again) and Mirol, the town before. At level 1 the
+    early answer is a fifth draw; at level 2 it is among them a quarter of the time, so 1/4 * 1/5."""
+    env, rng = SearchEnv(difficulty), random.Random(0)
+    env.reset(HAND_LONG_2)
+    for hop in HAND_LONG_2["hops"][:4]:
+        env.step(f"search[{hop}]")
+    draws = [env.noisy_action(rng) for _ in range(20_000)]
+    assert set(draws) == {"search[Dunei Pask]", "search[Sorin]", "search[Mirol]", "answer[Kesta to Sorin]"}
+    assert draws.count("answer[Kesta to Sorin]") / len(draws) == pytest.approx(share, abs=0.006)  # 4 sigma at most
+
+
 @pytest.mark.parametrize("difficulty", LONG)
 def test_long_expert_turns_and_names(tasks, difficulty):
     turns = {1: {5, 6}, 2: {8, 9, 10}}[difficulty]  # searches (1 + 3-4 or 1 + 6-8 towns) and the answer

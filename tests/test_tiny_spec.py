@@ -33,13 +33,14 @@ def test_cache_key_follows_settings_and_demo_version(monkeypatch):
 def test_a_level_whose_tasks_changed_alone_has_its_own_key():
     # the long levels 1 and 2 carry a version of their own: a build of the former level 1 or 2 (keyed without it,
     # or with the class's version) is never taken for them; levels 0, 3 and 4 keep the class's
-    for env, long_version, version, sft_steps, long_sft_steps in (
-        ("shop", 2, None, 300, 2000),  # 2: the noisy checkout types another coupon, never a cart id
-        ("terminal", 2, None, 300, 2000),  # 2: the key file's line became `code: <code>`
-        ("search", 3, 1, 900, 2000),  # 3: the noisy answer names no chain town and not the person
+    for env, long_versions, version, sft_steps, long_sft_steps in (
+        ("shop", {1: 2, 2: 2}, None, 300, 2000),  # 2: the noisy checkout types another coupon, never a cart id
+        ("terminal", {1: 2, 2: 2}, None, 300, 2000),  # 2: the key file's line became `code: <code>`
+        # 3: the noisy answer names no chain town and not the person; 4 (level 2): the early answer is rarer
+        ("search", {1: 3, 2: 4}, 1, 900, 2000),
     ):
         for level in range(5):
-            expected = long_version if level in (1, 2) else version
+            expected = long_versions.get(level, version)
             settings = dict(env=env, difficulty=level, sft_steps=long_sft_steps if level in (1, 2) else sft_steps)
             settings |= {"demo_version": expected} if expected else {}
             assert TinySpec.parse(f"tiny:{env}", difficulty=level).key() == hand_key(**settings), (env, level)
@@ -72,9 +73,10 @@ def test_search_level_0_names_come_from_the_pool():
 def test_the_mixed_pool_versions_each_level_from_its_parts(monkeypatch):
     from envs.mixed import MixedEnv
 
-    # shop 0 / search 1 / terminal 0 at levels 0, 3, 4; at 1 and 2 shop 2, search 3, terminal 2 (their long levels)
+    # shop 0 / search 1 / terminal 0 at levels 0, 3, 4; at 1 shop 2, search 3, terminal 2 and at 2 shop 2, search 4,
+    # terminal 2 (their long levels)
     assert MixedEnv.demo_version == 0 * 10_000 + 1 * 100 + 0
-    assert MixedEnv.level_demo_versions == {1: 20_302, 2: 20_302}
+    assert MixedEnv.level_demo_versions == {1: 20_302, 2: 20_402}
     now = TinySpec.parse("tiny:mixed", difficulty=1).key()
     monkeypatch.setattr(MixedEnv, "level_demo_versions", {})  # as keyed before the long levels
     assert TinySpec.parse("tiny:mixed", difficulty=1).key() != now
