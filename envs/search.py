@@ -347,6 +347,9 @@ class SearchEnv(Env):
     #: 2: levels 1 and 2 are the road chains (the two-hop ones are 3 and 4); 3: the noisy answer names no town the
     #: episode showed nearby; 4: at level 2 the early answer is among the noisy options a quarter of the time
     level_demo_versions = {1: 3, 2: 4}
+    #: at the long levels, the share of noisy turns from the third town on whose options include an answer before the
+    #: road has ended (`_noisy_long`)
+    noisy_early_answer_share = {1: 1.0, 2: 0.25}
     # after 300 SFT steps the tiny default copied no name (held-out success 0.0 sampled and greedy); after 900:
     # 0.09 sampled, 0.48 greedy on 100 eval tasks
     tiny_sft_steps = 900
@@ -472,6 +475,7 @@ class SearchEnv(Env):
             options += [f"search[{o if s == current else s}]" for s, _, o in others if current in (s, o)]
         if k >= 2:
             options.append(f"search[{hops[k - 2]}]")
-        if k >= 3 and (self.difficulty == 1 or rng.random() < 0.25):
+        share = self.noisy_early_answer_share[self.difficulty]
+        if k >= 3 and (share >= 1 or rng.random() < share):
             options.append(f"answer[{towns[0]} to {hops[k - 1]}]")
         return rng.choice(options)
