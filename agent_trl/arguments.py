@@ -98,6 +98,14 @@ class RunArguments:
             "standard build)."
         },
     )
+    tiny_noise: float | None = field(
+        default=None,
+        metadata={
+            "help": "Per-turn share of the tiny default's demonstrations that take the environment's plausible "
+            "mistake (noisy_action) instead of the expert's action; for a dataset, of rows trained on another row's "
+            "answer (default 0.3). The warm start imitates the mistakes too, so a lower share starts higher."
+        },
+    )
     tiny_num_demos: int | None = field(
         default=None, metadata={"help": "Demonstrations the tiny default is warm-started on (default: 2000)."}
     )

@@ -36,6 +36,7 @@ def check_run(run: RunArguments, config, model_args) -> None:
             ("num_eval_tasks", run.num_eval_tasks, 1),
             ("tiny_sft_steps", run.tiny_sft_steps, 0),
             ("tiny_num_demos", run.tiny_num_demos, 1),
+            ("tiny_noise", run.tiny_noise, 0),
             ("tiny_privileged_frac", run.tiny_privileged_frac, 0),
             ("tiny_guidance_frac", run.tiny_guidance_frac, 0),
         ]
@@ -47,7 +48,7 @@ def check_run(run: RunArguments, config, model_args) -> None:
     ]:
         if value is not None and value > most:
             problems.append(f"{name} {value:,} is more than the {most:,} a run generates; give a smaller number")
-    for name in ("tiny_privileged_frac", "tiny_guidance_frac"):
+    for name in ("tiny_noise", "tiny_privileged_frac", "tiny_guidance_frac"):
         if (value := getattr(run, name)) is not None and value > 1:
             problems.append(f"{name} must be in [0, 1], got {value}")
     shares = (run.tiny_privileged_frac, run.tiny_guidance_frac)

@@ -27,6 +27,7 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
         sizes = {
             "sft_steps": run.tiny_sft_steps,
             "num_demos": run.tiny_num_demos,
+            "noise": run.tiny_noise,
             "split_brackets": run.tiny_split_brackets or None,
         }
         sizes = {k: v for k, v in sizes.items() if v is not None}  # unset: the build's defaults
@@ -47,6 +48,7 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
     sizes = {
         "sft_steps": run.tiny_sft_steps,
         "num_demos": run.tiny_num_demos,
+        "noise": run.tiny_noise,
         "privileged_frac": run.tiny_privileged_frac,
         "guidance_frac": run.tiny_guidance_frac,
         "split_brackets": run.tiny_split_brackets or None,

@@ -159,6 +159,8 @@ def test_every_bad_field_is_named_in_one_message(tmp_path, monkeypatch):
         (dict(tiny_num_demos=0), "tiny_num_demos must be >= 1, got 0"),
         (dict(tiny_privileged_frac=-0.1), "tiny_privileged_frac must be >= 0, got -0.1"),
         (dict(tiny_guidance_frac=-0.1), "tiny_guidance_frac must be >= 0, got -0.1"),
+        (dict(tiny_noise=-0.1), "tiny_noise must be >= 0, got -0.1"),
+        (dict(tiny_noise=1.5), r"tiny_noise must be in \[0, 1\], got 1.5"),
         (dict(tiny_guidance_frac=1.5), r"tiny_guidance_frac must be in \[0, 1\], got 1.5"),
         (
             dict(tiny_privileged_frac=0.5, tiny_guidance_frac=0.75),

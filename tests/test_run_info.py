@@ -75,6 +75,17 @@ def test_the_guidance_share_reaches_the_build(builds):
         resolve_model("tiny", RunArguments(tiny_guidance_frac=0.5), sources())
 
 
+def test_the_noise_reaches_either_build(builds):
+    run = RunArguments(environment="shop", difficulty=2, tiny_noise=0.1)
+    resolve_model("tiny:shop", run, sources(environment=object()))
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    resolve_model("tiny", RunArguments(tiny_noise=0.0), sources(train=rows))  # 0 is a value: no noise, not unset
+    assert builds == [
+        ("tiny_model", ("tiny:shop",), {"difficulty": 2, "seed": 0, "noise": 0.1}),
+        ("tiny_dataset_model", (rows,), {"seed": 0, "noise": 0.0}),
+    ]
+
+
 def test_an_ecosystem_environment_passes_its_settings_sorted(builds):
     run = RunArguments(environment="reasoning_gym:aiw")
     settings = {"size": 40, "seed": 1}
