@@ -95,7 +95,7 @@ class RunArguments:
             "help": "Share of the tiny default's demonstrations that follow the expert without noise under a system "
             "message of guidance (the expert's plan, the environment's skill card, or TASPO's oracle rules), so that "
             "a teacher pass with such a block prefers the expert's actions (TASPO, AlignOPSD; default 0: the "
-            "standard build)."
+            "standard build, except at levels that start only with it: 0.5 at search's level 2)."
         },
     )
     tiny_noise: float | None = field(

@@ -51,6 +51,9 @@ class Env:
     tiny_sft_steps: int | None = None
     #: per difficulty, SFT steps that replace `tiny_sft_steps` at that level (a long level needs a longer warm start)
     tiny_level_sft_steps: dict[int, int] = {}
+    #: per difficulty, the share of the tiny default's demonstrations played under guidance (`envs.tiny.TinySpec`'s
+    #: `guidance_frac`, default 0) at that level, for a level whose build starts only with them
+    tiny_level_guidance_frac: dict[int, float] = {}
     #: JSON schemas of the tools rendered into the prompt by the chat template, or None for plain text actions
     tools: list[dict] | None = None
     #: True when an episode cut by a budget would really have gone on (an open-ended task with no final verdict):

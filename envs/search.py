@@ -354,9 +354,12 @@ class SearchEnv(Env):
     # 0.09 sampled, 0.48 greedy on 100 eval tasks
     tiny_sft_steps = 900
     #: the road chains need a longer warm start: after 300 (level 1) and 150 (level 2) SFT steps the tiny default
-    #: copied no name; after 2000, level 1 starts at 0.090 sampled, 0.335 greedy, level 2 does not (0.005, 0.115: its
+    #: copied no name; after 2000, level 1 starts at 0.090 sampled, 0.335 greedy, level 2 did not (0.005, 0.115: its
     #: first town, needed in the answer, is seldom recalled; bench/results/search_levels/)
     tiny_level_sft_steps = {1: 2000, 2: 2000}
+    #: level 2 starts with half its demonstrations under guidance, as the terminal's level 2 for its teacher recipes:
+    #: 0.115 sampled, 0.455 greedy with the noisy answers of demo version 4 (bench/results/level_mix/)
+    tiny_level_guidance_frac = {2: 0.5}
 
     def __init__(self, difficulty: int = 0):
         super().__init__(difficulty)

@@ -43,6 +43,7 @@ def test_a_level_whose_tasks_changed_alone_has_its_own_key():
             expected = long_versions.get(level, version)
             settings = dict(env=env, difficulty=level, sft_steps=long_sft_steps if level in (1, 2) else sft_steps)
             settings |= {"demo_version": expected} if expected else {}
+            settings |= {"guidance_frac": 0.5} if (env, level) == ("search", 2) else {}  # search level 2's default
             assert TinySpec.parse(f"tiny:{env}", difficulty=level).key() == hand_key(**settings), (env, level)
         former = dict(env=env, difficulty=1, sft_steps=long_sft_steps) | ({"demo_version": version} if version else {})
         assert TinySpec.parse(f"tiny:{env}", difficulty=1).key() != hand_key(**former)  # the former level 1's key
@@ -59,6 +60,20 @@ def test_environment_sets_its_sft_steps_unless_overridden():
         assert TinySpec.parse(f"tiny:{env}", difficulty=2, sft_steps=20).sft_steps == 20  # an explicit value wins
     with pytest.raises(ValueError, match="expected 'tiny:<env>'"):
         TinySpec.parse("small:search")
+
+
+def test_search_level_2_is_built_with_guidance_unless_overridden():
+    # half its demonstrations under guidance, at level 2 of search alone; an explicit share (0 included) wins
+    for env in ("shop", "search", "terminal"):
+        shares = [TinySpec.parse(f"tiny:{env}", difficulty=level).guidance_frac for level in range(5)]
+        assert shares == ([0.0, 0.0, 0.5, 0.0, 0.0] if env == "search" else [0.0] * 5), env
+    assert TinySpec.parse("tiny:search", difficulty=2, guidance_frac=0.0).guidance_frac == 0.0
+    assert TinySpec.parse("tiny:search", difficulty=2, guidance_frac=0.25).guidance_frac == 0.25
+    # the build this default names is the one built with the share given explicitly
+    assert (
+        TinySpec.parse("tiny:search", difficulty=2).key()
+        == TinySpec.parse("tiny:search", difficulty=2, guidance_frac=0.5).key()
+    )
 
 
 def test_search_level_0_names_come_from_the_pool():
