@@ -17,7 +17,8 @@ filled from such a copy instead of building (a first quickstart skips 300 SFT st
 key, so a stale copy is never used; `tests/test_tiny_shipped.py` checks that every copy matches its current key and,
 slow-marked, that a rebuild reproduces the default (byte for byte, or, where SFT's float reductions differ between
 CPUs, in held-out success). Building a level-0 default takes 2-5 minutes on two CPU cores; a long level's (2000 SFT
-steps, `Env.tiny_level_sft_steps`) 30-60 minutes, by the CPU.
+steps, `Env.tiny_level_sft_steps`) 30-90 minutes, by the CPU (search level 2: 71 minutes alone on two threads,
+bench/results/level_mix/).
 Demonstrations are noisy on purpose: with probability `noise` a turn takes the environment's
 `noisy_action` (a plausible mistake) instead of the expert's, so SFT alone imitates the mistakes in its sampling
 distribution and RL has something to remove (see the project's notes on measuring RL gains honestly).
