@@ -54,6 +54,9 @@ class Env:
     #: per difficulty, the share of the tiny default's demonstrations played under guidance (`envs.tiny.TinySpec`'s
     #: `guidance_frac`, default 0) at that level, for a level whose build starts only with them
     tiny_level_guidance_frac: dict[int, float] = {}
+    #: per difficulty, the per-turn noise of the tiny default's demonstrations (`envs.tiny.TinySpec`'s `noise`, 0.3)
+    #: at that level, for a level whose episodes are long enough that the default makes most demonstrations fail
+    tiny_level_noise: dict[int, float] = {}
     #: JSON schemas of the tools rendered into the prompt by the chat template, or None for plain text actions
     tools: list[dict] | None = None
     #: True when an episode cut by a budget would really have gone on (an open-ended task with no final verdict):

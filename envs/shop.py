@@ -270,6 +270,10 @@ class ShopEnv(Env):
     level_demo_versions = {1: 2, 2: 2}
     #: the shopping lists need a longer warm start than level 0's 300 steps (bench/results/shop_levels/)
     tiny_level_sft_steps = {1: 2000, 2: 2000}
+    #: a level-2 list takes 17 expert turns: at noise 0.3 its demonstrations hold about 6.8 mistakes each and the
+    #: build started at 0.010 sampled; at 0.1 (1.9 mistakes, level 0's 1.5 at 0.3) it starts at 0.210 sampled, 0.965
+    #: greedy (bench/results/level_mix/)
+    tiny_level_noise = {2: 0.1}
     #: what differs at the shopping-list levels (1 and 2): an instance at one of them sets these on itself
     #: (`_set_level`, from __init__ and reset), so the class's values, and every text of levels 0, 3 and 4, are
     #: those the shop had before the lists came

@@ -134,6 +134,9 @@ class TinySpec:
         guidance = getattr(env_cls, "tiny_level_guidance_frac", {}).get(overrides.get("difficulty", 0))
         if guidance is not None:  # a level whose build starts only with guidance
             overrides.setdefault("guidance_frac", guidance)
+        noise = getattr(env_cls, "tiny_level_noise", {}).get(overrides.get("difficulty", 0))
+        if noise is not None:  # a level whose demonstrations would otherwise hold several mistakes each
+            overrides.setdefault("noise", noise)
         transport = getattr(env_cls, "transport_settings", ())  # how episodes run (e.g. over a server), not what
         if overrides.get("env_kwargs") and transport:  # they are: one build for both, its demonstrations in-process
             settings = {k: v for k, v in json.loads(overrides["env_kwargs"]).items() if k not in transport}

@@ -44,6 +44,7 @@ def test_a_level_whose_tasks_changed_alone_has_its_own_key():
             settings = dict(env=env, difficulty=level, sft_steps=long_sft_steps if level in (1, 2) else sft_steps)
             settings |= {"demo_version": expected} if expected else {}
             settings |= {"guidance_frac": 0.5} if (env, level) == ("search", 2) else {}  # search level 2's default
+            settings |= {"noise": 0.1} if (env, level) == ("shop", 2) else {}  # shop level 2's default
             assert TinySpec.parse(f"tiny:{env}", difficulty=level).key() == hand_key(**settings), (env, level)
         former = dict(env=env, difficulty=1, sft_steps=long_sft_steps) | ({"demo_version": version} if version else {})
         assert TinySpec.parse(f"tiny:{env}", difficulty=1).key() != hand_key(**former)  # the former level 1's key
@@ -74,6 +75,14 @@ def test_search_level_2_is_built_with_guidance_unless_overridden():
         TinySpec.parse("tiny:search", difficulty=2).key()
         == TinySpec.parse("tiny:search", difficulty=2, guidance_frac=0.5).key()
     )
+
+
+def test_shop_level_2_is_built_with_less_noise_unless_overridden():
+    # noise 0.1 at level 2 of the shop alone, 0.3 elsewhere; an explicit noise wins
+    for env in ("shop", "search", "terminal"):
+        noises = [TinySpec.parse(f"tiny:{env}", difficulty=level).noise for level in range(5)]
+        assert noises == ([0.3, 0.3, 0.1, 0.3, 0.3] if env == "shop" else [0.3] * 5), env
+    assert TinySpec.parse("tiny:shop", difficulty=2, noise=0.3).noise == 0.3
 
 
 def test_search_level_0_names_come_from_the_pool():
