@@ -19,9 +19,10 @@ slow-marked, that a rebuild reproduces the default (byte for byte, or, where SFT
 CPUs, in held-out success). Building a level-0 default takes 2-5 minutes on two CPU cores; a long level's (2000 SFT
 steps, `Env.tiny_level_sft_steps`) 30-90 minutes, by the CPU (search level 2: 71 minutes alone on two threads,
 bench/results/level_mix/).
-Demonstrations are noisy on purpose: with probability `noise` a turn takes the environment's
-`noisy_action` (a plausible mistake) instead of the expert's, so SFT alone imitates the mistakes in its sampling
-distribution and RL has something to remove (see the project's notes on measuring RL gains honestly).
+Demonstrations are noisy on purpose: with probability `noise` (0.3; a level may set its own, `Env.tiny_level_noise`)
+a turn takes the environment's `noisy_action` (a plausible mistake) instead of the expert's, so SFT alone imitates
+the mistakes in its sampling distribution and RL has something to remove (see the project's notes on measuring RL
+gains honestly).
 
 Your own environment (`environment: package.module:Class` with `model_name_or_path: tiny`; in the library
 `tiny_model("tiny:package.module:Class", env_kwargs=...)`) is built the same way, from the class's own expert

@@ -18,17 +18,15 @@ for mode in ("sampled", "greedy"):
     for row in episodes:
         env = ShopEnv(2)
         env.reset(TASKS[row["task_id"]])
+        kind = "never (every action the expert's)"
         for turn in row["transcript"]:
             action, expert = turn["action"].strip(), env.expert_action()
             if action != expert:
-                first[
-                    f"on the {env.page} page: {action.split('[')[0]} where the expert does {expert.split('[')[0]}"
-                ] += 1
+                kind = f"on the {env.page} page: {action.split('[')[0]} where the expert does {expert.split('[')[0]}"
                 break
             if env.step(action)[2]:
                 break
-        else:
-            first["never (the expert's episode)"] += 1
+        first[kind] += 1
     print(f"{mode}, {len(episodes)} episodes, the first action off the expert's:")
     for kind, count in first.most_common():
         print(f"  {count:4d}  {kind}")
