@@ -128,16 +128,15 @@ class TinySpec:
         if kind not in ("tiny", "tiny-moe") or not env:
             raise ValueError(f"model_name_or_path {name!r}: expected 'tiny:<env>' or 'tiny-moe:<env>'")
         env_cls = cls(env=env, **overrides).env_class()
-        steps = getattr(env_cls, "tiny_sft_steps", None)  # an environment may need a longer warm start,
-        steps = getattr(env_cls, "tiny_level_sft_steps", {}).get(overrides.get("difficulty", 0), steps)  # or a level
-        if steps is not None:
-            overrides.setdefault("sft_steps", steps)
-        guidance = getattr(env_cls, "tiny_level_guidance_frac", {}).get(overrides.get("difficulty", 0))
-        if guidance is not None:  # a level whose build starts only with guidance
-            overrides.setdefault("guidance_frac", guidance)
-        noise = getattr(env_cls, "tiny_level_noise", {}).get(overrides.get("difficulty", 0))
-        if noise is not None:  # a level whose demonstrations would otherwise hold several mistakes each
-            overrides.setdefault("noise", noise)
+        # an environment may need a longer warm start (`tiny_sft_steps`), and a level its own steps, share under
+        # guidance or noise (`tiny_level_*`); an explicit value wins
+        level = overrides.get("difficulty", 0)
+        for field, attr in (("sft_steps", "tiny_level_sft_steps"), ("guidance_frac", "tiny_level_guidance_frac"),
+                            ("noise", "tiny_level_noise")):  # fmt: skip
+            default = getattr(env_cls, "tiny_sft_steps", None) if field == "sft_steps" else None
+            value = getattr(env_cls, attr, {}).get(level, default)
+            if value is not None:
+                overrides.setdefault(field, value)
         transport = getattr(env_cls, "transport_settings", ())  # how episodes run (e.g. over a server), not what
         if overrides.get("env_kwargs") and transport:  # they are: one build for both, its demonstrations in-process
             settings = {k: v for k, v in json.loads(overrides["env_kwargs"]).items() if k not in transport}
