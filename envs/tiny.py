@@ -131,9 +131,9 @@ class TinySpec:
         # an environment may need a longer warm start (`tiny_sft_steps`), and a level its own steps, share under
         # guidance or noise (`tiny_level_*`); an explicit value wins
         level = overrides.get("difficulty", 0)
-        for field, attr in (("sft_steps", "tiny_level_sft_steps"), ("guidance_frac", "tiny_level_guidance_frac"),
-                            ("noise", "tiny_level_noise")):  # fmt: skip
-            default = getattr(env_cls, "tiny_sft_steps", None) if field == "sft_steps" else None
+        for field, attr, default in (("sft_steps", "tiny_level_sft_steps", getattr(env_cls, "tiny_sft_steps", None)),
+                                     ("guidance_frac", "tiny_level_guidance_frac", None),
+                                     ("noise", "tiny_level_noise", None)):  # fmt: skip
             value = getattr(env_cls, attr, {}).get(level, default)
             if value is not None:
                 overrides.setdefault(field, value)
