@@ -5,6 +5,8 @@ default at the start of training.
     python bench/credit_signal.py --methods taspo --envs shop --batches 1 --out /tmp/credit_signal   # a quick look
     python bench/credit_signal.py --tiny_guidance_frac 0.5 --out bench/results/credit_signal_guided  # another build
     python bench/credit_signal.py --envs terminal --out bench/results/credit_signal_terminal2  # terminal level 2
+    python bench/credit_signal.py --envs search --set difficulty=2 max_completion_length=960 \
+        --out bench/results/credit_signal_search2                  # the recipes' fields overridden (search level 2)
 
 For each method and environment, the method's trainer is built from its shipped recipe (`configs/<method>_<env>.yaml`,
 parsed and built as train.py does: 8 tasks x 8 rollouts per generation batch) on the tiny default agent, and plays
@@ -48,12 +50,16 @@ from trainers import TRAINERS  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def recipe_argv(method: str, env: str, seed: int, workdir: str, extra: list[str] = ()) -> list[str]:
+    """train.py's command line for `configs/<method>_<env>.yaml`; `extra`: more fields (`--tiny_guidance_frac 0.5`)."""
+    argv = ["--config", str(ROOT / "configs" / f"{method}_{env}.yaml"), "--seed", str(seed), *extra]
+    return argv + ["--output_dir", os.path.join(workdir, f"{method}_{env}"), "--report_to", "none"]
+
+
 def build(method: str, env: str, seed: int, workdir: str, extra: list[str] = ()):
     """The trainer of `configs/<method>_<env>.yaml`, parsed and built exactly as train.py builds it (no evaluation,
-    no training), and its environment source; `extra`: more command-line fields (e.g. `--tiny_guidance_frac 0.5`)."""
-    argv = ["--config", str(ROOT / "configs" / f"{method}_{env}.yaml"), "--seed", str(seed), *extra]
-    argv += ["--output_dir", os.path.join(workdir, f"{method}_{env}"), "--report_to", "none"]
-    run, config, model_args, trainer_cls = train.parse(argv)
+    no training), and its environment source."""
+    run, config, model_args, trainer_cls = train.parse(recipe_argv(method, env, seed, workdir, extra))
     sources = load_sources(run, config)
     folder = resolve_model(model_args.model_name_or_path, run, sources)
     trainer = trainer_cls(
@@ -120,6 +126,12 @@ def measure(method: str, env: str, batches: int, seed: int, workdir: str, extra:
     return out
 
 
+def set_fields(items: list[str], guidance_frac: float | None = None) -> list[str]:
+    """`--set` items (FIELD=VALUE) and `--tiny_guidance_frac` as train.py's command-line fields."""
+    fields = [arg for item in items for arg in (f"--{item.partition('=')[0]}", item.partition("=")[2])]
+    return fields + ([] if guidance_frac is None else ["--tiny_guidance_frac", str(guidance_frac)])
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     methods = ["taspo", "alignopsd"]
@@ -139,8 +151,15 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="build the tiny default with this share of guidance demonstrations (default: the recipe's)",
     )
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="FIELD=VALUE", help="overrides of every recipe's fields (a level...)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "credit_signal")
     opts = parser.parse_args(argv)
+    bad = [item for item in opts.set if not item.partition("=")[0] or "=" not in item]
+    if bad:
+        parser.error(f"--set takes FIELD=VALUE items, got {bad}")
+    fields = set_fields(opts.set, opts.tiny_guidance_frac)
     results: dict[str, dict] = {}
     for name in opts.methods:
         trainer_cls = TRAINERS[name][0]
@@ -155,10 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         for env in opts.envs:
             for name in opts.methods:
-                extra = (
-                    [] if opts.tiny_guidance_frac is None else ["--tiny_guidance_frac", str(opts.tiny_guidance_frac)]
-                )
-                results[f"{name}/{env}"] = measure(name, env, opts.batches, opts.seed, workdir, extra)
+                results[f"{name}/{env}"] = measure(name, env, opts.batches, opts.seed, workdir, fields)
                 print(name, env, results[f"{name}/{env}"], file=sys.stderr)
     lines = [
         "| method | environment | ordering share (0.5: none) | pairs | A > 0: expert / other turns | "

@@ -1,0 +1,36 @@
+"""bench/credit_signal.py's command line: `--set` overrides reach every recipe as train.py parses it, and a malformed
+item stops before anything is built. (The measurement itself trains nothing here; its numbers are in bench/results.)"""
+
+import pytest
+
+import train
+from bench import credit_signal
+
+
+def test_set_items_become_train_fields():
+    assert credit_signal.set_fields(["difficulty=2", "max_completion_length=960"], 0.5) == [
+        "--difficulty", "2", "--max_completion_length", "960", "--tiny_guidance_frac", "0.5",
+    ]  # fmt: skip
+    assert credit_signal.set_fields([]) == []
+
+
+@pytest.mark.parametrize("method", ["taspo", "alignopsd"])
+def test_overrides_reach_the_parsed_recipe(method, tmp_path):
+    """Search's recipes are level 0 with 256 tokens; the overrides make them level 2 with 960, the rest unchanged."""
+    extra = credit_signal.set_fields(["difficulty=2", "max_completion_length=960"])
+    run, config, model_args, _ = train.parse(credit_signal.recipe_argv(method, "search", 3, str(tmp_path), extra))
+    assert (run.difficulty, config.max_completion_length, config.seed) == (2, 960, 3)
+    assert model_args.model_name_or_path == "tiny:search"
+    plain, plain_config, _, _ = train.parse(credit_signal.recipe_argv(method, "search", 3, str(tmp_path)))
+    assert (plain.difficulty, plain_config.max_completion_length) == (0, 256)
+
+
+@pytest.mark.parametrize("bad", ["difficulty", "=2"])
+def test_a_malformed_set_item_stops_at_start(bad, monkeypatch, capsys):
+    def never(*args, **kwargs):
+        raise AssertionError("measured although --set was malformed")
+
+    monkeypatch.setattr(credit_signal, "measure", never)
+    with pytest.raises(SystemExit):
+        credit_signal.main(["--set", bad])
+    assert "FIELD=VALUE" in capsys.readouterr().err
