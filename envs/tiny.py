@@ -462,6 +462,12 @@ SHIPPED_BUILDS = (
 )
 
 
+def shipped_build(name: str = "tiny:shop", **settings) -> Path:
+    """The repository's copy of the build `name` with `settings` (an entry of SHIPPED_BUILDS; default: the
+    quickstart's), as `tiny_model` names its cache folder."""
+    return SHIPPED / f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-{TinySpec.parse(name, **settings).key()}"
+
+
 def install_shipped(folder: Path) -> None:
     """Copy the shipped build named like `folder` into the cache, atomically (as `build_and_save` moves a build)."""
     import shutil

@@ -435,10 +435,10 @@ def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse(monke
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from envs.shop import ShopEnv
-    from envs.tiny import SHIPPED
+    from envs.tiny import shipped_build
     from trainers import agent_loop, trl_api
 
-    folder = next(SHIPPED.glob("tiny-shop-*"))
+    folder = shipped_build()
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     narrowed, real_narrow = [], trl_api.GrowingLayer.narrow
     layer_cls = trl_api.GrowingLayer

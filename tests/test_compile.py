@@ -17,9 +17,9 @@ from trainers.agent_loop import LoopSettings, hf_generate, play
 def shipped_shop_agent():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from envs.tiny import SHIPPED
+    from envs.tiny import shipped_build
 
-    folder = next(SHIPPED.glob("tiny-shop-*"))
+    folder = shipped_build()
     return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 

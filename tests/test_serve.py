@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agent_trl.export import export
 from agent_trl.play import play_episode
 from envs.shop import ShopEnv
-from envs.tiny import SHIPPED
+from envs.tiny import shipped_build
 from trainers.agent_loop import LoopSettings, hf_generate, play
 
 TURN_TOKENS = 24  # the quickstart's max_turn_tokens
@@ -37,7 +37,7 @@ def served(tmp_path_factory):
     command = transformers_command()
     if command is None:
         pytest.skip("the `transformers serve` command is missing (transformers CLI not installed)")
-    folder = export(str(next(SHIPPED.glob("tiny-shop-*"))), str(tmp_path_factory.mktemp("serve") / "agent"))
+    folder = export(str(shipped_build()), str(tmp_path_factory.mktemp("serve") / "agent"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -49,6 +49,7 @@ def test_an_empty_cache_is_filled_from_the_shipped_copy(name, settings, tmp_path
     folder = Path(tiny_model(name, **settings))
     shipped = SHIPPED / folder.name
     assert folder == tmp_path / "tiny" / shipped.name
+    assert tiny.shipped_build(name, **settings) == shipped  # the tests' way to the copy names the one installed
     for file in FILES:
         assert (shipped / file).read_bytes() == (folder / file).read_bytes()
     assert list((tmp_path / "tiny").iterdir()) == [folder]  # no staging left
