@@ -12,13 +12,13 @@ What `tiny_model("tiny:shop")` does, once per distinct setting (then it is read 
 
 The cache lives in `$AGENT_TRL_CACHE` (default `~/.cache/agent-trl`). The repository ships the builds of
 `SHIPPED_BUILDS` in `envs/shipped/`, each under its cache name: the quickstart's default (`tiny:shop`, every setting at
-its default), the guidance-reading build of the terminal's level 2 (the teacher recipes') and the shop's level-2
-default. An empty cache is filled from such a copy instead of building (a first quickstart skips 300 SFT steps). A
-recipe change changes the key, so a stale copy is never used; `tests/test_tiny_shipped.py` checks that every copy
-matches its current key and, slow-marked, that a rebuild reproduces the default (byte for byte, or, where SFT's float
-reductions differ between CPUs, in held-out success). Building a level-0 default takes 2-5 minutes on two CPU cores; a
-long level's (2000 SFT steps, `Env.tiny_level_sft_steps`) 30-90 minutes, by the CPU (search level 2: 71 minutes alone
-on two threads, bench/results/level_mix/).
+its default), the guidance-reading build of the terminal's level 2 (the teacher recipes') and the level-2 defaults of
+the shop and of search. An empty cache is filled from such a copy instead of building (a first quickstart skips 300 SFT
+steps). A recipe change changes the key, so a stale copy is never used; `tests/test_tiny_shipped.py` checks that every
+copy matches its current key and, slow-marked, that a rebuild reproduces the default (byte for byte, or, where SFT's
+float reductions differ between CPUs, in held-out success). Building a level-0 default takes 2-5 minutes on two CPU
+cores; a long level's (2000 SFT steps, `Env.tiny_level_sft_steps`) 30-90 minutes, by the CPU (search level 2: 71
+and 85 minutes alone on two threads, two machines; bench/results/level_mix/, search_level2/).
 Demonstrations are noisy on purpose: with probability `noise` (0.3; a level may set its own, `Env.tiny_level_noise`)
 a turn takes the environment's `noisy_action` (a plausible mistake) instead of the expert's, so SFT alone imitates
 the mistakes in its sampling distribution and RL has something to remove (see the project's notes on measuring RL
@@ -453,12 +453,14 @@ def build_and_save(spec: TinySpec, tokenizer, demos: list, folder: Path) -> None
 SHIPPED = Path(__file__).resolve().parent / "shipped"
 #: what is in SHIPPED, as (name, settings) of `TinySpec.parse`: the quickstart's default; the build of the
 #: terminal's long checklists (level 2, 2000 SFT steps) that reads guidance, which `taspo_terminal.yaml` and
-#: `alignopsd_terminal.yaml` train from; and the shop's level-2 default, which the level-2 shop runs of
-#: bench/results/shop_level2 start from. Each long-level copy saves its users a build of an hour or more on two cores
+#: `alignopsd_terminal.yaml` train from; and the level-2 defaults of the shop and of search, which the runs of
+#: bench/results/shop_level2 and search_level2 start from. Each long-level copy saves its users a build of an hour or
+#: more on two CPU cores
 SHIPPED_BUILDS = (
     ("tiny:shop", {}),
     ("tiny:terminal", {"difficulty": 2, "guidance_frac": 0.5}),
     ("tiny:shop", {"difficulty": 2}),
+    ("tiny:search", {"difficulty": 2}),
 )
 
 
