@@ -467,7 +467,12 @@ SHIPPED_BUILDS = (
 def shipped_build(name: str = "tiny:shop", **settings) -> Path:
     """The repository's copy of the build `name` with `settings` (an entry of SHIPPED_BUILDS; default: the
     quickstart's), as `tiny_model` names its cache folder."""
-    return SHIPPED / f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-{TinySpec.parse(name, **settings).key()}"
+    return SHIPPED / folder_name(name, TinySpec.parse(name, **settings))
+
+
+def folder_name(name: str, spec: TinySpec) -> str:
+    """The cache folder's name of `name`'s build with `spec` (a dataset's tasks add their hash to it)."""
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-{spec.key()}"
 
 
 def install_shipped(folder: Path) -> None:
@@ -501,15 +506,17 @@ def tiny_model(name: str, difficulty: int = 0, seed: int = 0, tasks: list[dict] 
         )
     # the environments are built as a run builds them (a built-in or ecosystem one exactly as `spec.env_class()`)
     source = load_environment(spec.env, json.loads(spec.env_kwargs) if spec.env_kwargs else None, spec.difficulty)
-    folder_name = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-{spec.key()}"
+    name_of_folder = folder_name(name, spec)
     if tasks is not None:
         tasks = [tasks[i % len(tasks)] for i in range(spec.num_demos)]
-        folder_name += "-" + hashlib.sha256(json.dumps(tasks, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        name_of_folder += (
+            "-" + hashlib.sha256(json.dumps(tasks, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        )
     elif source.make_tasks is None:
         raise ValueError(
             f"model_name_or_path {name!r}: {spec.env} has no make_tasks; pass its training tasks (a dataset's rows)"
         )
-    folder = cache_root() / "tiny" / folder_name
+    folder = cache_root() / "tiny" / name_of_folder
     if (folder / "model.safetensors").exists():
         return str(folder)
     if (SHIPPED / folder.name / "model.safetensors").exists():  # the repository's copy of this exact build
