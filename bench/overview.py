@@ -160,7 +160,7 @@ def collapses(cell: Cell, seeds: tuple[int, ...]) -> list[int]:
     return [seed for seed, b, a in zip(seeds, cell.before, cell.after, strict=True) if a < b]
 
 
-def table(columns: list[Column], cells: dict[str, dict[str, Cell]], at_rollouts: float) -> str:
+def table(columns: list[Column], cells: dict[str, dict[str, Cell]], at_rollouts: float, window: float) -> str:
     head = "| method | " + " | ".join(c.title for c in columns) + " |"
     lines = [head, "|---" * (len(columns) + 1) + "|"]
     starts = [statistics.mean(cells[c.title]["GRPO"].before) for c in columns]
@@ -183,17 +183,18 @@ def table(columns: list[Column], cells: dict[str, dict[str, Cell]], at_rollouts:
         lines.append(f"| {method} | " + " | ".join(row) + " |")
     notes = [
         "",
-        f"Held-out sampled success after RL, mean over seeds {', '.join(map(str, columns[0].seeds))}; at level 2 "
-        f"also training success over the {at_rollouts:.0f} rollouts' window (after / at {at_rollouts:.0f}). Bold: "
-        "the lowest seed above GRPO's highest in the same column; (below): the highest seed below GRPO's lowest.",
+        f"Held-out sampled success after RL, mean over the column's seeds; at level 2 also training success over "
+        f"the {window:.0f} rollouts up to {at_rollouts:.0f} (after / at {at_rollouts:.0f}). Bold: the lowest seed "
+        "above GRPO's highest in the same column; (below): the highest seed below GRPO's lowest.",
     ]
-    runs = sum(len(cell.after) for column in columns for cell in cells[column.title].values())
+    total = sum(len(cell.after) for column in columns for cell in cells[column.title].values())
     fell = sum(len(collapses(cell, c.seeds)) for c in columns for cell in cells[c.title].values())
-    notes.append(f"{runs} runs; {fell or 'none'} ended below {'its' if fell == 1 else 'their'} own start.")
+    notes.append(f"{total} runs; {fell or 'none'} ended below {'its' if fell == 1 else 'their'} own start.")
     for column in columns:
         folders = sorted({runs.split("/")[0] for runs in column.cells.values()})
         notes.append(
-            f'- {column.title}: docs/benchmarks.md, "{column.section}"; runs in '
+            f'- {column.title} (seeds {", ".join(map(str, column.seeds))}): docs/benchmarks.md, "{column.section}"; '
+            + "runs in "
             + ", ".join(f"bench/results/{f}/" for f in folders)
         )
     return "\n".join(lines + notes)
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None, columns: list[Column] | None = None, res
         }
         for c in columns
     }
-    text = table(columns, cells, args.at_rollouts)
+    text = table(columns, cells, args.at_rollouts, args.window)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(columns, cells, args.out / "overview.png")
     measured = {
