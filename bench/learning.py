@@ -16,6 +16,8 @@ OUT/<config>-s<S>` plus the `--set` overrides, and reads the run's summary.json.
 so an interrupted benchmark resumes. With `--reuse DIR ...`, a (config, seed) missing in OUT is read from the first DIR
 that holds `<config>-s<S>/summary.json` instead (read in place, not copied; the table marks the row reused and names
 the folder). A reused run must record the config's trainer, environment and difficulty; `--set` is not checked.
+With `--stored_only` nothing is trained: a config's missing seeds are left out of its row (the table's seeds column
+counts the rest), and a config with no stored run at all stops the command.
 
 The table has one row per config, grouped by the environment and difficulty its runs' summary.json records; within an
 environment GRPO comes first, then GiGPO, PPO, T1, MPO, DRACO, then any other trainer, each in the order given. A
@@ -108,8 +110,11 @@ def aggregation(trainer: str, fields: dict) -> str:
     return f"{loss_type} ({LOSS_TYPES[loss_type]})" if loss_type in LOSS_TYPES else loss_type
 
 
-def load(spec: str, seed: int, out: Path, overrides: list[str], reuse: list[Path] | None = None) -> Run:
-    """The (config, seed) run's summary: from OUT, else from the first --reuse folder holding it, else run now."""
+def load(
+    spec: str, seed: int, out: Path, overrides: list[str], reuse: list[Path] | None = None, train: bool = True
+) -> Run | None:
+    """The (config, seed) run's summary: from OUT, else from the first --reuse folder holding it, else run now (None
+    with `train=False`)."""
     name, config, own = variant(spec)
     folder = out / f"{name}-s{seed}"
     summary = folder / "summary.json"
@@ -117,6 +122,8 @@ def load(spec: str, seed: int, out: Path, overrides: list[str], reuse: list[Path
         stored = next((d / folder.name for d in reuse or [] if (d / folder.name / "summary.json").exists()), None)
         if stored is not None:
             return reused(stored, seed, settings(config, overrides + own))
+        if not train:
+            return None
         cmd = [sys.executable, str(ROOT / "train.py"), "--config", config, "--seed", str(seed)]
         cmd += ["--output_dir", str(folder)]
         for item in overrides + own:
@@ -138,10 +145,15 @@ def reused(folder: Path, seed: int, fields: dict) -> Run:
     return Run(seed, summary, folder.parent)
 
 
-def make_row(spec: str, seeds: list[int], out: Path, overrides: list[str], reuse: list[Path] | None = None) -> Row:
-    """A config's row: its runs, and the environment, difficulty and trainer its first run's summary.json records."""
+def make_row(
+    spec: str, seeds: list[int], out: Path, overrides: list[str], reuse: list[Path] | None = None, train: bool = True
+) -> Row:
+    """A config's row: its runs, and the environment, difficulty and trainer its first run's summary.json records;
+    with `train=False` only the stored seeds."""
     name, config, own = variant(spec)
-    runs = [load(spec, seed, out, overrides, reuse) for seed in seeds]
+    runs = [run for seed in seeds if (run := load(spec, seed, out, overrides, reuse, train)) is not None]
+    if not runs:
+        raise SystemExit(f"--stored_only: no stored run of {name} (seeds {seeds}) in {out} or the --reuse folders")
     fields = settings(config, overrides + own)
     trainer, run = runs[0].summary["trainer"], runs[0].summary["run"]
     # a single-turn dataset run has no environment: its row is labelled by the dataset file
@@ -388,9 +400,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--reuse", nargs="*", type=Path, default=[], metavar="DIR", help="results folders to read missing runs from"
     )
+    parser.add_argument(
+        "--stored_only", action="store_true", help="train nothing: tabulate the stored seeds of each config"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = [make_row(c, args.seeds, args.out, args.set, args.reuse) for c in args.configs]
+    rows = [make_row(c, args.seeds, args.out, args.set, args.reuse, not args.stored_only) for c in args.configs]
     at = args.at_rollouts or min(curve(r.summary)[-1][0] for row in rows for r in row.runs if curve(r.summary))
     text = table(rows, args.threshold, at, args.metrics)
     (args.out / "table.md").write_text(text + "\n")

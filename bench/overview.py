@@ -13,7 +13,8 @@ cell above it. Per cell, over its seeds:
 - at level 2, where every recipe ends near the ceiling, also training success at `--at_rollouts` rollouts: the mean of
   the logged values in the window of `--window` rollouts ending there (a run that logs every 160 rollouts and one that
   logs every 320 are read over the same 320), marked the same way;
-- every seed whose held-out sampled success after RL is below its own before RL (a collapse).
+- every seed whose held-out sampled success after RL is below its own before RL (a collapse);
+- the seeds, where a recipe ran on fewer than its column's (`Column.fewer`).
 
 Writes OUT/table.md, OUT/result.json and OUT/result.md (bench/record.py; every per-seed number) and OUT/overview.png
 (held-out sampled success before and after RL, one panel per column).
@@ -43,6 +44,10 @@ class Column:
     level: int
     cells: dict[str, str]  # method -> '<folder under bench/results>/<config as written>'
     seeds: tuple[int, ...] = (0, 1, 2)
+    fewer: dict[str, tuple[int, ...]] = field(default_factory=dict)  # method -> its seeds, where it ran fewer
+
+    def seeds_of(self, method: str) -> tuple[int, ...]:
+        return self.fewer.get(method, self.seeds)
 
 
 L2_SHOP = "@difficulty=2,max_completion_length=896"
@@ -178,17 +183,21 @@ def table(columns: list[Column], cells: dict[str, dict[str, Cell]], at_rollouts:
             text = mark(cell.after, grpo.after if grpo else None)
             if column.level >= 2:
                 text += " / " + mark(cell.at, grpo.at if grpo else None)
-            fell = collapses(cell, column.seeds)
+            seeds = column.seeds_of(method)
+            if seeds != column.seeds:
+                text += f" (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})"
+            fell = collapses(cell, seeds)
             row.append(text + (f" (collapse: seed {', '.join(map(str, fell))})" if fell else ""))
         lines.append(f"| {method} | " + " | ".join(row) + " |")
     notes = [
         "",
-        f"Held-out sampled success after RL, mean over the column's seeds; at level 2 also training success over "
-        f"the {window:.0f} rollouts up to {at_rollouts:.0f} (after / at {at_rollouts:.0f}). Bold: the lowest seed "
+        "Held-out sampled success after RL, mean over the column's seeds (a cell that ran fewer names them); at "
+        f"level 2 also training success over the {window:.0f} rollouts up to {at_rollouts:.0f} (after / at "
+        f"{at_rollouts:.0f}). Bold: the lowest seed "
         "above GRPO's highest in the same column; (below): the highest seed below GRPO's lowest.",
     ]
     total = sum(len(cell.after) for column in columns for cell in cells[column.title].values())
-    fell = sum(len(collapses(cell, c.seeds)) for c in columns for cell in cells[c.title].values())
+    fell = sum(len(collapses(cell, c.seeds_of(m))) for c in columns for m, cell in cells[c.title].items())
     notes.append(f"{total} runs; {fell or 'none'} ended below {'its' if fell == 1 else 'their'} own start.")
     for column in columns:
         folders = sorted({runs.split("/")[0] for runs in column.cells.values()})
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None, columns: list[Column] | None = None, res
         raise SystemExit(f"every column needs a GRPO cell to compare with; none in {missing}")
     cells = {
         c.title: {
-            m: load_cell(results, m, runs, c.seeds, args.at_rollouts, args.window) for m, runs in c.cells.items()
+            m: load_cell(results, m, runs, c.seeds_of(m), args.at_rollouts, args.window) for m, runs in c.cells.items()
         }
         for c in columns
     }
@@ -245,8 +254,8 @@ def main(argv: list[str] | None = None, columns: list[Column] | None = None, res
     args.out.mkdir(parents=True, exist_ok=True)
     plot(columns, cells, args.out / "overview.png")
     measured = {
-        c.title: {m: {"runs": cell.runs, "seeds": list(c.seeds), "before": cell.before, "after": cell.after,
-                      "success_at_rollouts": cell.at, "collapsed_seeds": collapses(cell, c.seeds)}
+        c.title: {m: {"runs": cell.runs, "seeds": list(c.seeds_of(m)), "before": cell.before, "after": cell.after,
+                      "success_at_rollouts": cell.at, "collapsed_seeds": collapses(cell, c.seeds_of(m))}
                   for m, cell in cells[c.title].items()}
         for c in columns
     }  # fmt: skip

@@ -177,6 +177,21 @@ def test_a_reused_run_of_another_environment_is_refused(bench):
         learning.main(["--configs", specs[2], "--seeds", "0", "1", "--out", str(out), "--reuse", str(a)])
 
 
+def test_stored_only_tabulates_the_stored_seeds_and_trains_nothing(bench):
+    specs, out, a, b = bench
+    # seed 2 of every config is missing; grpo_shop has s0 and s1 in A, ppo_term s0 and s1 in OUT: 2 seeds each
+    learning.main(["--configs", specs[2], specs[3], "--seeds", "0", "1", "2", "--out", str(out), "--reuse", str(a),
+                   "--stored_only"])  # fmt: skip
+    result = json.loads((out / "result.json").read_text())
+    by_config = {r["config"]: r for r in result["measured"]["rows"]}
+    assert [s["seed"] for s in by_config["grpo_shop"]["seeds"]] == [0, 1]
+    assert [s["seed"] for s in by_config["ppo_term"]["seeds"]] == [0, 1]
+    rows = [line for line in (out / "table.md").read_text().splitlines() if "| ppo_term |" in line]
+    assert [c.strip() for c in rows[0].split("|")[1:-1]][4] == "2"  # the seeds column counts the stored runs
+    with pytest.raises(SystemExit, match="no stored run of ppo_term"):
+        learning.main(["--configs", specs[3], "--seeds", "2", "--out", str(out), "--stored_only"])
+
+
 def test_a_missing_run_is_trained_with_the_overrides(tmp_path, monkeypatch):
     calls = []
 

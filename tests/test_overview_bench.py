@@ -85,6 +85,28 @@ def test_the_shipped_columns_name_stored_runs():
     """Every cell of the real table points at a folder of bench/results that holds its runs' seeds."""
     for column in overview.COLUMNS:
         assert "GRPO" in column.cells and set(column.cells) <= set(overview.METHODS)
-        for runs in column.cells.values():
-            for seed in column.seeds:
+        assert set(column.fewer) <= set(column.cells), column.title
+        for method, runs in column.cells.items():
+            for seed in column.seeds_of(method):
                 assert (overview.RESULTS / f"{runs}-s{seed}" / "summary.json").exists(), (column.title, runs, seed)
+
+
+def test_a_cell_with_fewer_seeds_names_them(tmp_path):
+    # GRPO on seeds 0-2 ends at 0.90, 0.92, 0.94; PPO ran seeds 0 and 1 only and ended at 0.40 and 0.50: mean 0.450,
+    # its highest (0.50) below GRPO's lowest (0.90); T1 ran seed 0 only and ended below its start (0.05 < 0.10)
+    for seed, after in enumerate([0.90, 0.92, 0.94]):
+        store(tmp_path, "c/grpo", seed, 0.10, after)
+    store(tmp_path, "c/ppo", 0, 0.10, 0.40)
+    store(tmp_path, "c/ppo", 1, 0.10, 0.50)
+    store(tmp_path, "c/t1", 0, 0.10, 0.05)
+    cells = {"GRPO": "c/grpo", "PPO": "c/ppo", "T1": "c/t1"}
+    columns = [Column("c 0", "C", 0, cells, (0, 1, 2), fewer={"PPO": (0, 1), "T1": (0,)})]
+    out = tmp_path / "out"
+    measured = overview.main(["--out", str(out)], columns, tmp_path)
+    rows = {line.split(" | ")[0]: line for line in (out / "table.md").read_text().splitlines()}
+    assert rows["| GRPO"] == "| GRPO | 0.920 |"
+    assert rows["| PPO"] == "| PPO | 0.450 (below) (seeds 0, 1) |"
+    assert rows["| T1"] == "| T1 | 0.050 (below) (seed 0) (collapse: seed 0) |"
+    assert "6 runs; 1 ended below its own start." in rows  # 3 + 2 + 1
+    assert measured["c 0"]["PPO"]["seeds"] == [0, 1]
+    assert measured["c 0"]["T1"]["collapsed_seeds"] == [0]
