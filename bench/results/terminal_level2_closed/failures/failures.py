@@ -52,6 +52,12 @@ def kind(e) -> str:
     return "other"
 
 
+def unsubmitted(e) -> bool:
+    """Every step done (the last observation's `next:` line says `submit`) and the episode ended without submitting."""
+    last = (e["transcript"][-1].get("observation") or "") if e["transcript"] else ""
+    return "next: submit" in last and not any(t["action"].strip() == "submit" for t in e["transcript"])
+
+
 def loops(e, n=5) -> bool:
     actions = [t["action"].strip() for t in e["transcript"]]
     return any(len(set(actions[i : i + n])) == 1 for i in range(len(actions) - n + 1))
@@ -66,6 +72,7 @@ for arg in sys.argv[1:]:
         print(
             f"{name} {mode}: {len(es) - len(failed)}/{len(es)} succeed; {len(failed)} failures: slip {kinds['slip']},"
             f" wrong code {kinds['wrong code']}, other {kinds['other']}; cut"
-            f" {sum(e['truncated'] for e in failed)}, one command 5+ times in a row {sum(map(loops, failed))};"
+            f" {sum(e['truncated'] for e in failed)}, one command 5+ times in a row {sum(map(loops, failed))},"
+            f" every step done but never submitted {sum(map(unsubmitted, failed))};"
             f" successes with a slip {sum(kind(e) == 'slip' for e in es if e['success'])}"
         )
