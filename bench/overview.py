@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # run from anywhere: the repository's packages
 from bench.learning import curve, held_out  # noqa: E402
 from bench.record import RESULTS, write_result  # noqa: E402
 
-METHODS = ("GRPO", "GiGPO", "TASPO", "AlignOPSD", "PPO", "T1", "MPO", "DRACO", "X-Tree")  # the table's row order
+METHODS = ("GRPO", "GiGPO", "TASPO", "AlignOPSD", "PPO", "PPO, lam 1", "T1", "MPO", "DRACO", "X-Tree")  # row order
 
 
 @dataclass
@@ -107,7 +107,12 @@ COLUMNS = [
         "TASPO": "terminal_level2_closed/taspo_terminal",
         "AlignOPSD": "terminal_level2_closed/alignopsd_terminal",
         "MPO": f"terminal_level2_closed/mpo_terminal{L2_TERMINAL}",
-    }),
+        "PPO": f"terminal_level2_closed/ppo_terminal{L2_TERMINAL}",
+        "PPO, lam 1": f"terminal_level2_closed/ppo_terminal{L2_TERMINAL},lam=1.0",
+        "T1": f"terminal_level2_closed/t1_terminal{L2_TERMINAL},assertion_scale=34",
+        "DRACO": f"terminal_level2_closed/draco_terminal{L2_TERMINAL}",
+        "X-Tree": f"terminal_level2_closed/xtree_terminal{L2_TERMINAL}",
+    }, fewer={"PPO": (0, 1), "PPO, lam 1": (0, 1), "T1": (0,), "DRACO": (0,)}),
 ]  # fmt: skip
 
 
