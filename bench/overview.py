@@ -112,7 +112,7 @@ COLUMNS = [
         "T1": f"terminal_level2_closed/t1_terminal{L2_TERMINAL},assertion_scale=34",
         "DRACO": f"terminal_level2_closed/draco_terminal{L2_TERMINAL}",
         "X-Tree": f"terminal_level2_closed/xtree_terminal{L2_TERMINAL}",
-    }, fewer={"PPO": (0, 1), "PPO, lam 1": (0, 1), "T1": (0,), "DRACO": (0,)}),
+    }, fewer={"PPO": (0, 1), "PPO, lam 1": (0, 1), "T1": (0,), "DRACO": (0, 1)}),
 ]  # fmt: skip
 
 
