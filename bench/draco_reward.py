@@ -150,7 +150,7 @@ def shop_failure(env: Env, task: dict, done: bool, info: dict) -> str:
 
 
 def terminal_failure(env: Env, task: dict, done: bool, info: dict) -> str:
-    failing = info["assertions_total"] - info["assertions_passed"]
+    failing = info["assertions_total"] - info["assertions_passed"] - (not done)  # the report's own `submitted` check
     if done:
         return "submitted, 1 check failing" if failing == 1 else "submitted, 2+ checks failing"
     return "no submit, all checks hold" if failing == 0 else "no submit, checks failing"

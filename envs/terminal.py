@@ -36,10 +36,13 @@ Assertions (JSON dicts on the final file system; paths relative to `/`)
   {"kind": "file_contains", "path", "text"}   a substring of the content
   {"kind": "line_count", "path", "lines"}     the number of lines
 
-Reward: every step's `info` reports `assertions_passed` (P) and `assertions_total` (A) on the current file system. The
-`submit` turn ends the episode with reward 1.0 if all assertions pass, else 0.0, and `info["success"]`; every other
-turn has reward 0. The dense T1 reward P/S is computed elsewhere from `info`. Cutting an episode at `max_turns` is the
-agent loop's business; the last step's `info` then still carries P and A.
+Reward: every step's `info` reports `assertions_passed` (P) and `assertions_total` (A): the task's assertions on the
+current file system plus one more check, `submitted`, which holds once `submit` has ended the episode. The `submit`
+turn ends the episode with reward 1.0 if all assertions pass, else 0.0, and `info["success"]`; every other turn has
+reward 0. So P = A exactly on success, and the dense T1 reward P/S, computed elsewhere from `info`, pays the
+submission as the verdict does (without that check, T1's policy at level 2 learned to do every step and never submit:
+docs/methods/t1.md §9). Cutting an episode at `max_turns` is the agent loop's business; the last step's `info` then
+still carries P and A, with `submitted` failing. The observation after `submit` counts the task's assertions only.
 
 Difficulty levels (`make_tasks(..., difficulty=)`): 0 short; 1 and 2 long-horizon (10 and 15-18 expert turns) for the
 tiny default and for step-credit methods; 3 and 4 short, 4 for real models.
@@ -1387,8 +1390,8 @@ class TerminalEnv(Env):
         if command.lower() in SUBMIT_WORDS:
             self.done = True
             info = self._info(final=True)
-            passed, total = info["assertions_passed"], info["assertions_total"]
-            return f"submitted: {passed}/{total} checks pass", float(info["success"]), True, info
+            checks = self._checks()
+            return f"submitted: {sum(checks)}/{len(checks)} checks pass", float(info["success"]), True, info
         output = self.shell.run(command)
         self._history.append(command)
         if self._memory and self._memory["code"] in output.split():
@@ -1401,10 +1404,16 @@ class TerminalEnv(Env):
         blob = json.dumps([files, dirs, cwd], separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    def _checks(self) -> list[bool]:
+        """Each of the task's assertions on the current file system."""
+        return check_assertions(self.shell.files, self.shell.dirs, self.task.get("assertions", []))
+
     def _info(self, final: bool) -> dict:
-        passed = check_assertions(self.shell.files, self.shell.dirs, self.task.get("assertions", []))
+        """P and A over the task's assertions plus one check of its own, `submitted` (only `submit` ends an episode
+        here), so that P = A exactly when the episode succeeds and a count of passing checks pays submitting too."""
+        passed = [*self._checks(), final]
         # success is only ever True on the submit turn, even when every assertion already holds
-        return {"assertions_passed": sum(passed), "assertions_total": len(passed), "success": final and all(passed)}
+        return {"assertions_passed": sum(passed), "assertions_total": len(passed), "success": all(passed)}
 
     # -- expert and noise ---------------------------------------------------------------------------------------------
     def expert_action(self) -> str:

@@ -121,8 +121,10 @@ def test_expert_passes_every_assertion_within_max_turns(difficulty):
         *middle, (_, _, reward, done, info) = steps
         assert actions == [*task["solution"], "submit"], task["instruction"]
         assert done and reward == 1.0 and info["success"] is True
-        assert info["assertions_passed"] == info["assertions_total"] == len(task["assertions"])
+        assert info["assertions_passed"] == info["assertions_total"] == len(task["assertions"]) + 1  # + submitted
         assert all(s[2] == 0.0 and not s[3] and s[4]["success"] is False for s in middle)
+        # before submit the report's own check fails, whatever the file system holds
+        assert all(s[4]["assertions_passed"] < s[4]["assertions_total"] for s in middle)
         assert all(isinstance(s[4]["assertions_passed"], int) for s in steps)
 
 
@@ -331,7 +333,8 @@ def test_level1_hand_played_episode():
     env = TerminalEnv(1)
     assert env.reset(task) == f"Task: {task['instruction']}\nnext: read vault.txt\n$ "
     # checks passing before each command's effect: the 5 distractors and omega.txt (the copy's source) hold at start;
-    # then mkdir +1, cp +1, mv +2 (absent, equals), echo +1, rm +1, mv +2, mv +2, the code +1: 17 of 17
+    # then mkdir +1, cp +1, mv +2 (absent, equals), echo +1, rm +1, mv +2, mv +2, the code +1: 17 of 17 assertions;
+    # the report's 18th check, submitted, holds only after submit
     passed = [6, 7, 8, 10, 11, 12, 14, 16, 17]
     outputs = ["code: east\n"] + [""] * 8
     for k, command in enumerate(LEVEL1_COMMANDS):
@@ -339,11 +342,11 @@ def test_level1_hand_played_episode():
         observation, reward, done, info = env.step(command)
         following = LEVEL1_STEPS[k + 1] if k + 1 < len(LEVEL1_STEPS) else "submit"
         assert observation == f"{outputs[k]}next: {following}\n$ ", command
-        assert (reward, done, info) == (0.0, False, {"assertions_passed": passed[k], "assertions_total": 17,
+        assert (reward, done, info) == (0.0, False, {"assertions_passed": passed[k], "assertions_total": 18,
                                                      "success": False})  # fmt: skip
     assert env.expert_action() == "submit"
     assert env.step("submit") == ("submitted: 17/17 checks pass", 1.0, True,
-                                  {"assertions_passed": 17, "assertions_total": 17, "success": True})  # fmt: skip
+                                  {"assertions_passed": 18, "assertions_total": 18, "success": True})  # fmt: skip
 
 
 def test_level1_next_line_follows_mistakes():
@@ -469,7 +472,7 @@ def test_level2_hand_played_episode():
     # the code shows once, at turn 1, 16 turns before it is written; by then no file holds it
     assert [k for k, o in enumerate(observations) if "winter" in o.split()] == [0]
     assert "winter" not in task["instruction"].split()
-    assert info["assertions_passed"] == info["assertions_total"] == len(task["assertions"])
+    assert info["assertions_passed"] == len(task["assertions"]) == info["assertions_total"] - 1  # all but submitted
     assert env.step("submit")[1:3] == (1.0, True)
     assert env.privileged(task) == "Plan: " + " | ".join([*LEVEL2_COMMANDS, "submit"])
 
@@ -568,7 +571,8 @@ def test_all_assertions_passing_is_not_success_before_submit():
     env.reset(task)
     for command in task["solution"]:
         _, reward, done, info = env.step(command)
-    assert info["assertions_passed"] == info["assertions_total"] and not done
+    # every assertion of the task holds; the report's own check, submitted, does not
+    assert info["assertions_passed"] == len(task["assertions"]) == info["assertions_total"] - 1 and not done
     assert reward == 0.0 and info["success"] is False
 
 
