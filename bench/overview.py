@@ -85,9 +85,12 @@ COLUMNS = [
         "GRPO": "terminal_c4/grpo_terminal",
         "GiGPO": "methods/gigpo_terminal",
         "PPO": "terminal_c4/ppo_terminal",
-        "T1": "methods/t1_terminal",
         "MPO": "methods/mpo_terminal",
         "DRACO": "methods/draco_terminal",
+    }),
+    Column("terminal 0, submit counted", "T1 with the submission counted", 0, {
+        "GRPO": "t1_submitted/grpo_terminal",
+        "T1": "t1_submitted/t1_terminal",
     }),
     Column("shop 2", "Shop level 2, GRPO, GiGPO and MPO", 2, {
         "GRPO": f"shop_level2/quickstart{L2_SHOP}",
