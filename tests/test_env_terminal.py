@@ -576,6 +576,24 @@ def test_all_assertions_passing_is_not_success_before_submit():
     assert reward == 0.0 and info["success"] is False
 
 
+def test_the_count_reward_pays_submitting():
+    """T1's r = P / S on the report: an episode that did every step but was cut before `submit` earns one check, 1 / S,
+    less than the same episode submitted (the report counts `submitted`), and only the submitted one succeeds."""
+    from rewards.verifiers import assertion_count_reward
+
+    task = TerminalEnv.make_tasks("train", 1, difficulty=2)[0]
+    env = TerminalEnv(2)
+    env.reset(task)
+    for command in task["solution"]:
+        *_, cut = env.step(command)
+    *_, submitted = env.step("submit")
+    n = len(task["assertions"])
+    assert (cut["assertions_passed"], cut["success"]) == (n, False)
+    assert (submitted["assertions_passed"], submitted["success"]) == (n + 1, True)
+    cut_reward, submitted_reward = assertion_count_reward(["", ""], final_info=[cut, submitted], assertion_scale=35)
+    assert (cut_reward, submitted_reward) == (n / 35, (n + 1) / 35)
+
+
 def test_state_key():
     task = TerminalEnv.make_tasks("train", 1, difficulty=3)[0]
     a, b = TerminalEnv(3), TerminalEnv(3)
