@@ -12,8 +12,8 @@ What `tiny_model("tiny:shop")` does, once per distinct setting (then it is read 
 
 The cache lives in `$AGENT_TRL_CACHE` (default `~/.cache/agent-trl`). The repository ships the builds of
 `SHIPPED_BUILDS` in `envs/shipped/`, each under its cache name: the quickstart's default (`tiny:shop`, every setting at
-its default), the guidance-reading build of the terminal's level 2 (the teacher recipes') and the level-2 defaults of
-the shop and of search. An empty cache is filled from such a copy instead of building (a first quickstart skips 300 SFT
+its default), the guidance-reading builds of the terminal's and the shop's level 2 (the teacher recipes') and the
+level-2 defaults of the shop and of search. An empty cache is filled from such a copy instead of building (a first quickstart skips 300 SFT
 steps). A recipe change changes the key, so a stale copy is never used; `tests/test_tiny_shipped.py` checks that every
 copy matches its current key and, slow-marked, that a rebuild reproduces the default (byte for byte, or, where SFT's
 float reductions differ between CPUs, in held-out success). Building a level-0 default takes 2-5 minutes on two CPU
@@ -453,13 +453,16 @@ def build_and_save(spec: TinySpec, tokenizer, demos: list, folder: Path) -> None
 SHIPPED = Path(__file__).resolve().parent / "shipped"
 #: what is in SHIPPED, as (name, settings) of `TinySpec.parse`: the quickstart's default; the build of the
 #: terminal's long checklists (level 2, 2000 SFT steps) that reads guidance, which `taspo_terminal.yaml` and
-#: `alignopsd_terminal.yaml` train from; and the level-2 defaults of the shop and of search, which the runs of
+#: `alignopsd_terminal.yaml` train from; the same for the shop's level 2 (`tiny_guidance_frac: 0.5`, the shop's teacher
+#: recipes at `difficulty: 2`; 2000 SFT steps, 134 minutes on two CPU cores shared part of the time with a training
+#: run, bench/results/shop_level2_guided); and the level-2 defaults of the shop and of search, which the runs of
 #: bench/results/shop_level2 and search_level2 start from. Each long-level copy saves its users a build of an hour or
 #: more on two CPU cores
 SHIPPED_BUILDS = (
     ("tiny:shop", {}),
     ("tiny:terminal", {"difficulty": 2, "guidance_frac": 0.5}),
     ("tiny:shop", {"difficulty": 2}),
+    ("tiny:shop", {"difficulty": 2, "guidance_frac": 0.5}),
     ("tiny:search", {"difficulty": 2}),
 )
 
