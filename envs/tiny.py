@@ -13,12 +13,14 @@ What `tiny_model("tiny:shop")` does, once per distinct setting (then it is read 
 The cache lives in `$AGENT_TRL_CACHE` (default `~/.cache/agent-trl`). The repository ships the builds of
 `SHIPPED_BUILDS` in `envs/shipped/`, each under its cache name: the quickstart's default (`tiny:shop`, every setting at
 its default), the guidance-reading builds of the terminal's and the shop's level 2 (the teacher recipes') and the
-level-2 defaults of the shop and of search. An empty cache is filled from such a copy instead of building (a first quickstart skips 300 SFT
-steps). A recipe change changes the key, so a stale copy is never used; `tests/test_tiny_shipped.py` checks that every
-copy matches its current key and, slow-marked, that a rebuild reproduces the default (byte for byte, or, where SFT's
-float reductions differ between CPUs, in held-out success). Building a level-0 default takes 2-5 minutes on two CPU
-cores; a long level's (2000 SFT steps, `Env.tiny_level_sft_steps`) 30-90 minutes, by the CPU (search level 2: 71
-and 85 minutes alone on two threads, two machines; bench/results/level_mix/, search_level2/).
+level-2 defaults of the shop and of search. An empty cache is filled from such a copy instead of building (a first
+quickstart skips 300 SFT steps). A recipe change changes the key, so a stale copy is never used;
+`tests/test_tiny_shipped.py` checks that every copy matches its current key and, slow-marked, that a rebuild
+reproduces the default (byte for byte, or, where SFT's float reductions differ between CPUs, in held-out success).
+Building a level-0 default takes 2-5 minutes on two CPU cores; a long level's (2000 SFT steps,
+`Env.tiny_level_sft_steps`) 30-90 minutes, by the CPU (search level 2: 71 and 85 minutes alone on two threads, two
+machines; bench/results/level_mix/, search_level2/), and one that reads guidance longer (shop level 2: 134 minutes,
+bench/results/shop_level2_guided/).
 Demonstrations are noisy on purpose: with probability `noise` (0.3; a level may set its own, `Env.tiny_level_noise`)
 a turn takes the environment's `noisy_action` (a plausible mistake) instead of the expert's, so SFT alone imitates
 the mistakes in its sampling distribution and RL has something to remove (see the project's notes on measuring RL
