@@ -1390,8 +1390,8 @@ class TerminalEnv(Env):
         if command.lower() in SUBMIT_WORDS:
             self.done = True
             info = self._info(final=True)
-            checks = self._checks()
-            return f"submitted: {sum(checks)}/{len(checks)} checks pass", float(info["success"]), True, info
+            passed, total = info["assertions_passed"] - 1, info["assertions_total"] - 1  # the task's, not `submitted`
+            return f"submitted: {passed}/{total} checks pass", float(info["success"]), True, info
         output = self.shell.run(command)
         self._history.append(command)
         if self._memory and self._memory["code"] in output.split():
@@ -1404,14 +1404,10 @@ class TerminalEnv(Env):
         blob = json.dumps([files, dirs, cwd], separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def _checks(self) -> list[bool]:
-        """Each of the task's assertions on the current file system."""
-        return check_assertions(self.shell.files, self.shell.dirs, self.task.get("assertions", []))
-
     def _info(self, final: bool) -> dict:
         """P and A over the task's assertions plus one check of its own, `submitted` (only `submit` ends an episode
         here), so that P = A exactly when the episode succeeds and a count of passing checks pays submitting too."""
-        passed = [*self._checks(), final]
+        passed = [*check_assertions(self.shell.files, self.shell.dirs, self.task.get("assertions", [])), final]
         # success is only ever True on the submit turn, even when every assertion already holds
         return {"assertions_passed": sum(passed), "assertions_total": len(passed), "success": all(passed)}
 
