@@ -97,6 +97,11 @@ COLUMNS = [
         "GiGPO": f"shop_level2/gigpo_shop{L2_SHOP}",
         "MPO": f"shop_level2/mpo_shop{L2_SHOP}",
     }),
+    Column("shop 2, guidance build", "Shop level 2, the teacher methods", 2, {
+        "GRPO": f"shop_level2_guided/quickstart{L2_SHOP},tiny_guidance_frac=0.5",
+        "TASPO": f"shop_level2_guided/taspo_shop{L2_SHOP}",
+        "AlignOPSD": f"shop_level2_guided/alignopsd_shop{L2_SHOP},alignopsd_top_k=3",
+    }, fewer={"AlignOPSD": (0,)}),
     Column("search 2", "Search level 2 from the shipped build", 2, {
         "GRPO": f"search_level2/grpo_search{L2_SEARCH}",
         "GiGPO": f"search_level2/gigpo_search{L2_SEARCH}",
@@ -112,7 +117,7 @@ COLUMNS = [
         "MPO": f"terminal_level2_closed/mpo_terminal{L2_TERMINAL}",
         "PPO": f"terminal_level2_closed/ppo_terminal{L2_TERMINAL}",
         "PPO, lam 1": f"terminal_level2_closed/ppo_terminal{L2_TERMINAL},lam=1.0",
-        "T1": f"terminal_level2_closed/t1_terminal{L2_TERMINAL},assertion_scale=34",
+        "T1": f"terminal_level2_closed/t1_terminal{L2_TERMINAL},assertion_scale=35",
         "DRACO": f"terminal_level2_closed/draco_terminal{L2_TERMINAL}",
         "X-Tree": f"terminal_level2_closed/xtree_terminal{L2_TERMINAL}",
     }, fewer={"PPO": (0, 1), "PPO, lam 1": (0, 1), "T1": (0,), "DRACO": (0, 1)}),
