@@ -28,7 +28,8 @@ T1. Columns:
 - the mean and spread (min to max) over seeds of: held-out success sampled at the config's temperature before and
   after RL, its gain, greedy success after RL, training success at a fixed number of rollouts, the rollouts needed to
   first reach `--threshold` training success, wall time, and any logged `--metrics` (e.g. critic/explained_variance)
-  averaged over the last quarter of each run's logs;
+  averaged over the last quarter of each run's logs, and with `--metrics_upto N` also over the logs up to N
+  rollouts (how a method behaved early, while the policy still changes fast);
 - collapse: every seed whose held-out sampled success after RL is below its own before RL;
 - step time vs GRPO: training seconds per rollout, i.e. `train_runtime` (the time of `trainer.train()`: generation,
   rewards, advantages, losses, optimizer steps; not the model build or the held-out evaluations before and after RL,
@@ -236,6 +237,19 @@ def late_mean(summary: dict, metric: str) -> float | None:
     return statistics.mean(values) if values else None
 
 
+def early_mean(summary: dict, metric: str, rollouts: float) -> float | None:
+    """Mean of a logged metric over the run's logged steps up to `rollouts` rollouts (counted as `curve` counts them;
+    NaN entries skipped)."""
+    per_step = summary["rollouts_per_step"]
+    values = [
+        row[metric]
+        for row in summary["log_history"]
+        if metric in row and "loss" in row and row.get("rollouts_spent", row["step"] * per_step) <= rollouts
+    ]
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.mean(values) if values else None
+
+
 def label(row: Row) -> str:
     """The config as written, marked when some or all of its seeds were read from a --reuse folder."""
     reused = [f"s{r.seed}" for r in row.runs if r.reused_from is not None]
@@ -244,8 +258,11 @@ def label(row: Row) -> str:
     return f"{row.name} (reused)" if len(reused) == len(row.runs) else f"{row.name} (reused: {', '.join(reused)})"
 
 
-def cells(row: Row, base: float | None, threshold: float, at_rollouts: float, metrics: list[str]) -> list[str]:
-    """One table row; `base` is the environment's GRPO seconds per rollout (None: no GRPO row)."""
+def cells(
+    row: Row, base: float | None, threshold: float, at_rollouts: float, metrics: list[str], upto: float | None = None
+) -> list[str]:
+    """One table row; `base` is the environment's GRPO seconds per rollout (None: no GRPO row); `upto`: the
+    `metrics` again, averaged over the logs up to that many rollouts."""
     summaries = [r.summary for r in row.runs]
     before, after = [held_out(s, "before") for s in summaries], [held_out(s, "after") for s in summaries]
     gains = [a - b for a, b in zip(after, before, strict=True) if a is not None and b is not None]
@@ -263,21 +280,25 @@ def cells(row: Row, base: float | None, threshold: float, at_rollouts: float, me
         ratio if seconds is None else f"{ratio} ({1000 * seconds:.1f} ms)",
         spread([s["wall_seconds"] for s in summaries], 1),
         *(spread([late_mean(s, m) for s in summaries]) for m in metrics),
+        *(spread([early_mean(s, m, upto) for s in summaries]) for m in metrics if upto is not None),
     ]  # fmt: skip
 
 
-def table(rows: list[Row], threshold: float, at_rollouts: float, metrics: list[str] = ()) -> str:
+def table(
+    rows: list[Row], threshold: float, at_rollouts: float, metrics: list[str] = (), upto: float | None = None
+) -> str:
     head = [
         "environment (difficulty)", "method", "config", "loss aggregation", "seeds", "sampled before", "sampled after",
         "gain", "collapse (after < before)", "greedy after", f"train success @ {at_rollouts:g} rollouts",
         f"rollouts to {threshold:g}", "step time vs GRPO (train ms/rollout)", "wall s",
         *(f"{m} (last quarter)" for m in metrics),
+        *(f"{m} (up to {upto:g} rollouts)" for m in metrics if upto is not None),
     ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
     for (environment, difficulty), group in grouped(rows).items():
         grpo, base = reference(group)
-        lines += ["| " + " | ".join(cells(row, base, threshold, at_rollouts, metrics)) + " |" for row in group]
+        lines += ["| " + " | ".join(cells(row, base, threshold, at_rollouts, metrics, upto)) + " |" for row in group]
         models = ", ".join(sorted({r.summary["model"] for row in group for r in row.runs}))
         relative = f"step time relative to {grpo.name}" if base else "no GRPO row with train_runtime: step time n/a"
         notes.append(f"- {environment} (difficulty {difficulty}), {models}: {relative}.")
@@ -396,6 +417,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threshold", type=float, default=0.5, help="training success for rollouts-to-threshold")
     parser.add_argument("--at_rollouts", type=float, default=None, help="budget for 'success at N rollouts'")
     parser.add_argument("--metrics", nargs="*", default=[], help="logged metrics to tabulate (last-quarter mean)")
+    parser.add_argument(
+        "--metrics_upto",
+        type=float,
+        default=None,
+        metavar="ROLLOUTS",
+        help="also tabulate each --metrics averaged over the logs up to this many rollouts (early training)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--reuse", nargs="*", type=Path, default=[], metavar="DIR", help="results folders to read missing runs from"
@@ -407,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [make_row(c, args.seeds, args.out, args.set, args.reuse, not args.stored_only) for c in args.configs]
     at = args.at_rollouts or min(curve(r.summary)[-1][0] for row in rows for r in row.runs if curve(r.summary))
-    text = table(rows, args.threshold, at, args.metrics)
+    text = table(rows, args.threshold, at, args.metrics, args.metrics_upto)
     (args.out / "table.md").write_text(text + "\n")
     groups = grouped(rows)
     plot(groups, args.out / "curves.png")

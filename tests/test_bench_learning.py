@@ -60,6 +60,16 @@ def test_late_mean_uses_the_last_quarter_and_skips_nan():
     assert learning.late_mean(s, "critic/explained_variance") == pytest.approx(0.4)
 
 
+def test_early_mean_uses_the_logs_up_to_a_rollout_budget():
+    s = summary([0.1] * 6, ev=[0.2, 0.4, math.nan, 0.9, 5.0, 5.0])  # logs at 320, 640, ..., 1920 rollouts
+    assert learning.early_mean(s, "critic/explained_variance", 1280) == pytest.approx(0.5)  # (0.2 + 0.4 + 0.9) / 3
+    assert learning.early_mean(s, "critic/explained_variance", 300) is None  # no log that early
+    spent = summary([0.1] * 3, ev=[1.0, 2.0, 4.0])  # the Funnel logs every rollout it played, training or not
+    for row, total in zip(spent["log_history"], [500, 900, 1300], strict=False):
+        row["rollouts_spent"] = total
+    assert learning.early_mean(spent, "critic/explained_variance", 900) == pytest.approx(1.5)
+
+
 def test_seconds_per_rollout_uses_train_runtime_not_wall_time():
     # 4 logs -> last step 20; 20 steps x 32 rollouts = 640 rollouts; 320 s / 640 = 0.5 s (wall time 999 s ignored)
     assert learning.seconds_per_rollout(summary([0.1] * 4, per_step=32, runtime=320.0, wall=999.0)) == 0.5
@@ -97,6 +107,10 @@ def test_table_has_one_row_per_config_and_metric_columns():
     assert "| s1: 0.300 → 0.200 |" in line  # seed 1 ends below its start; seed 0 does not
     assert "| 0.400 [0.300, 0.500] |" in line  # explained variance over the last quarter (the last log)
     assert "| 1.00x (1.6 ms) |" in line  # its own reference: 1 s / (10 steps x 64 rollouts) = 1.5625 ms per rollout
+    text = learning.table([row], 0.5, 640, ["critic/explained_variance"], upto=320)
+    header, rule, line = text.splitlines()[:3]
+    assert header.count("|") == line.count("|") == 17 and "critic/explained_variance (up to 320 rollouts) |" in header
+    assert line.endswith("| 0.400 [0.300, 0.500] | 0.050 [0.000, 0.100] |")  # last quarter, then the first log only
 
 
 CONFIGS = {  # in the order given on the command line: environments interleaved, GRPO not first
