@@ -133,7 +133,7 @@ COLUMNS = [
         "T1": f"terminal_level2_closed/t1_terminal{L2_TERMINAL},assertion_scale=35",
         "DRACO": f"terminal_level2_closed/draco_terminal{L2_TERMINAL}",
         "X-Tree": f"terminal_level2_closed/xtree_terminal{L2_TERMINAL}",
-    }, fewer={"PPO": (0, 1)}),
+    }),
 ]  # fmt: skip
 
 
