@@ -337,8 +337,10 @@ def per_environment(rows: list[Row]) -> list[str]:
     return lines
 
 
-def measured(rows: list[Row], threshold: float, at_rollouts: float) -> dict:
-    """Every per-seed number behind the table, for result.json."""
+def measured(
+    rows: list[Row], threshold: float, at_rollouts: float, metrics: list[str] = (), upto: float | None = None
+) -> dict:
+    """Every per-seed number behind the table, for result.json (the `--metrics` too, late and, with `upto`, early)."""
     out = []
     for group in grouped(rows).values():
         grpo, base = reference(group)
@@ -349,7 +351,9 @@ def measured(rows: list[Row], threshold: float, at_rollouts: float) -> dict:
                  "sampled_before": held_out(s, "before"), "sampled_after": held_out(s, "after"),
                  "greedy_after": held_out(s, "after", "greedy"), "seconds_per_rollout": seconds_per_rollout(s),
                  "wall_seconds": s["wall_seconds"], "success_at_rollouts": success_at(curve(s), at_rollouts),
-                 "rollouts_to_threshold": rollouts_to(curve(s), threshold)}
+                 "rollouts_to_threshold": rollouts_to(curve(s), threshold),
+                 "metrics_last_quarter": {m: late_mean(s, m) for m in metrics},
+                 **({"metrics_upto": {m: early_mean(s, m, upto) for m in metrics}} if upto is not None else {})}
                 for r in row.runs for s in [r.summary]
             ]  # fmt: skip
             out.append(
@@ -443,7 +447,9 @@ def main(argv: list[str] | None = None) -> None:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", environment)  # `textarena:GuessTheNumber-v0`: no colon in a file name
         plot({(environment, difficulty): group}, args.out / f"curves_{name}_d{difficulty}.png")
     options = json.loads(json.dumps(vars(args), default=str))  # paths as text
-    write_result(args.out, "learning", options, measured(rows, args.threshold, at), text)
+    write_result(
+        args.out, "learning", options, measured(rows, args.threshold, at, args.metrics, args.metrics_upto), text
+    )
     print(text)
     print(f"\nwrote table.md, result.json, result.md and curves*.png in {args.out}")
 

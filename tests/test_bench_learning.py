@@ -111,6 +111,9 @@ def test_table_has_one_row_per_config_and_metric_columns():
     header, rule, line = text.splitlines()[:3]
     assert header.count("|") == line.count("|") == 17 and "critic/explained_variance (up to 320 rollouts) |" in header
     assert line.endswith("| 0.400 [0.300, 0.500] | 0.050 [0.000, 0.100] |")  # last quarter, then the first log only
+    seeds = learning.measured([row], 0.5, 640, ["critic/explained_variance"], upto=320)["rows"][0]["seeds"]
+    assert [s["metrics_last_quarter"]["critic/explained_variance"] for s in seeds] == [0.3, 0.5]
+    assert [s["metrics_upto"]["critic/explained_variance"] for s in seeds] == [0.1, 0.0]
 
 
 CONFIGS = {  # in the order given on the command line: environments interleaved, GRPO not first
