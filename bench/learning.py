@@ -176,12 +176,20 @@ def curve(summary: dict) -> list[tuple[float, float]]:
     """(rollouts so far, training success) at every logged step (`rollouts_spent` where a run logs it: every rollout
     it played, training or not); for a single-turn dataset run (no `env/success`),
     the mean training reward (for a 0/1 reward such as exact match, the accuracy)."""
-    per_step = summary["rollouts_per_step"]
     key = "env/success" if any("env/success" in row for row in summary["log_history"]) else "reward"
-    # a run that also spends rollouts outside training (the Funnel's gates and selection) logs the running total
-    return [
-        (row.get("rollouts_spent", row["step"] * per_step), row[key]) for row in summary["log_history"] if key in row
-    ]
+    return [(rollouts_of(row, summary), row[key]) for row in summary["log_history"] if key in row]
+
+
+def rollouts_of(row: dict, summary: dict) -> float:
+    """Rollouts played by a log row: a run that also spends rollouts outside training (the Funnel's gates and
+    selection) logs the running total, any other run its step x rollouts per step."""
+    return row.get("rollouts_spent", row["step"] * summary["rollouts_per_step"])
+
+
+def finite_mean(values: list[float | None]) -> float | None:
+    """The mean of the values that are numbers (a stored summary.json holds a logged NaN as null); None if none are."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.mean(values) if values else None
 
 
 def held_out(summary: dict, when: str, mode: str = "sampled") -> float | None:
@@ -232,22 +240,16 @@ def late_mean(summary: dict, metric: str) -> float | None:
     """Mean of a logged metric over the last quarter of the run's logged steps (NaN entries skipped; a stored
     summary.json holds them as null)."""
     values = [row[metric] for row in summary["log_history"] if metric in row and "loss" in row]
-    values = values[len(values) - max(1, len(values) // 4) :]
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    return statistics.mean(values) if values else None
+    return finite_mean(values[len(values) - max(1, len(values) // 4) :])
 
 
 def early_mean(summary: dict, metric: str, rollouts: float) -> float | None:
-    """Mean of a logged metric over the run's logged steps up to `rollouts` rollouts (counted as `curve` counts them;
-    NaN entries skipped)."""
-    per_step = summary["rollouts_per_step"]
-    values = [
-        row[metric]
-        for row in summary["log_history"]
-        if metric in row and "loss" in row and row.get("rollouts_spent", row["step"] * per_step) <= rollouts
-    ]
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    return statistics.mean(values) if values else None
+    """Mean of a logged metric over the run's logged steps up to `rollouts` rollouts (`rollouts_of`; NaN entries
+    skipped)."""
+    rows = summary["log_history"]
+    return finite_mean(
+        [r[metric] for r in rows if metric in r and "loss" in r and rollouts_of(r, summary) <= rollouts]
+    )
 
 
 def label(row: Row) -> str:
