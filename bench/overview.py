@@ -41,7 +41,7 @@ METHODS = (
     "AlignOPSD",
     "AlignOPSD, beta 0.02",
     "PPO",
-    "PPO, lam 1",
+    "PPO, lam 0.95",
     "T1",
     "MPO",
     "DRACO",
@@ -96,13 +96,15 @@ COLUMNS = [
     Column("terminal 0", "Every method on every environment", 0, {
         "GRPO": "terminal_c4/grpo_terminal",
         "GiGPO": "methods/gigpo_terminal",
-        "PPO": "terminal_c4/ppo_terminal",
+        "PPO, lam 0.95": "terminal_c4/ppo_terminal",  # run when 0.95 was the recipe's setting
         "MPO": "methods/mpo_terminal",
         "DRACO": "methods/draco_terminal",
     }),
     Column("terminal 0, submit counted", "T1 with the submission counted", 0, {
         "GRPO": "t1_submitted/grpo_terminal",
         "T1": "t1_submitted/t1_terminal",
+        "PPO": "ppo_lam_level0/ppo_terminal@lam=1.0",
+        "PPO, lam 0.95": "ppo_lam_level0/ppo_terminal@lam=0.95",
     }),
     Column("shop 2", "Shop level 2, GRPO, GiGPO and MPO", 2, {
         "GRPO": f"shop_level2/quickstart{L2_SHOP}",
@@ -128,8 +130,8 @@ COLUMNS = [
         "TASPO": "terminal_level2_closed/taspo_terminal",
         "AlignOPSD": "terminal_level2_closed/alignopsd_terminal",
         "MPO": f"terminal_level2_closed/mpo_terminal{L2_TERMINAL}",
-        "PPO": f"terminal_level2_closed/ppo_terminal{L2_TERMINAL}",
-        "PPO, lam 1": f"terminal_level2_closed/ppo_terminal{L2_TERMINAL},lam=1.0",
+        "PPO": f"terminal_level2_closed/ppo_terminal{L2_TERMINAL},lam=1.0",
+        "PPO, lam 0.95": f"terminal_level2_closed/ppo_terminal{L2_TERMINAL},lam=0.95",
         "T1": f"terminal_level2_closed/t1_terminal{L2_TERMINAL},assertion_scale=35",
         "DRACO": f"terminal_level2_closed/draco_terminal{L2_TERMINAL}",
         "X-Tree": f"terminal_level2_closed/xtree_terminal{L2_TERMINAL}",
