@@ -392,7 +392,9 @@ class AlignOPSDConfig(AgentGRPOConfig):
     alignopsd_encoder_max_length: int = field(default=4096, metadata={"help": "Encoder input tokens (kept: last)."})
     alignopsd_gamma: float = field(default=0.8, metadata={"help": "γ: match threshold (alignopsd.md Eq. 5, Eq. 13)."})
     alignopsd_top_k: int = field(default=3, metadata={"help": "K: most sources per target turn (Eq. 5)."})
-    alignopsd_alpha_max: float = field(default=0.8, metadata={"help": "α_max: most rectification (Eq. 9)."})
+    alignopsd_alpha_max: float = field(
+        default=0.8, metadata={"help": "α_max: most rectification (Eq. 9); 0 keeps each turn's own gap alone (§8)."}
+    )
     alignopsd_tau_agg: float = field(default=0.10, metadata={"help": "τ_agg of the source weights (Eq. 6)."})
     alignopsd_tau_p: float = field(default=0.10, metadata={"help": "τ_p of the profiles (Eq. 12)."})
     alignopsd_l_min: int = field(default=2, metadata={"help": "Shortest span, turns (Eq. 17)."})
