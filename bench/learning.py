@@ -53,6 +53,7 @@ import statistics
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -287,7 +288,7 @@ def cells(
 
 
 def table(
-    rows: list[Row], threshold: float, at_rollouts: float, metrics: list[str] = (), upto: float | None = None
+    rows: list[Row], threshold: float, at_rollouts: float, metrics: Sequence[str] = (), upto: float | None = None
 ) -> str:
     head = [
         "environment (difficulty)", "method", "config", "loss aggregation", "seeds", "sampled before", "sampled after",
@@ -340,7 +341,7 @@ def per_environment(rows: list[Row]) -> list[str]:
 
 
 def measured(
-    rows: list[Row], threshold: float, at_rollouts: float, metrics: list[str] = (), upto: float | None = None
+    rows: list[Row], threshold: float, at_rollouts: float, metrics: Sequence[str] = (), upto: float | None = None
 ) -> dict:
     """Every per-seed number behind the table, for result.json (the `--metrics` too, late and, with `upto`, early)."""
     out = []
