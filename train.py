@@ -40,7 +40,7 @@ from envs.adapters import is_adapter_spec  # noqa: E402
 from envs.sources import load_environment  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 from trainers.base import NoRewardSignal  # noqa: E402
-from trainers.reporting import plot_curves, write_summary  # noqa: E402
+from trainers.reporting import plot_curves, speed, write_summary  # noqa: E402
 
 HELD_OUT = ("before", "after")
 
@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
         logs = {f"eval_{k}": v for k, v in logs.items()}  # eval/held_out/... (transformers' rewrite_logs)
         trainer.callback_handler.on_log(config, trainer.state, trainer.control, logs)
     summary["wall_seconds"] = round(time.time() - start, 1)
+    summary["speed"] = pace = speed(trainer.state.log_history)
+    per_step = pace["train_seconds_per_step"] or pace["seconds_per_step"]
+    print(f"time per step: {per_step} s; peak memory (resident): {pace['peak_memory_gib']} GiB")
     # new rollouts per optimizer step: one generation batch feeds num_iterations x (steps_per_generation / GA) steps
     summary["rollouts_per_step"] = config.generation_batch_size / max(1, updates_per_generation)  # global batch
     summary["log_history"] = trainer.state.log_history

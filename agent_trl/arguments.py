@@ -41,6 +41,15 @@ class RunArguments:
         default="test",
         metadata={"help": "Split of the held-out evaluation; if absent, num_eval_tasks rows of the train split."},
     )
+    system_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "A system message put before every prompt, in training and in the held-out evaluation: a "
+            "dataset's prompts (a text prompt becomes a chat of system and user) and an environment's first "
+            "observation. An instruct model reads the answer format here; an environment that starts from a "
+            "conversation of its own (reset returning a message list) keeps that. Default: none."
+        },
+    )
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={

@@ -47,6 +47,7 @@ import train  # noqa: E402
 from agent_trl.config_file import join_negative_numbers  # noqa: E402
 from agent_trl.evaluation import loop_settings, prompt_sampling  # noqa: E402
 from agent_trl.preflight import model_problem  # noqa: E402
+from agent_trl.real_model import is_real  # noqa: E402
 from agent_trl.resume import checkpoints  # noqa: E402
 from agent_trl.run_info import resolve_model, versions  # noqa: E402
 from agent_trl.sources import Sources, load_sources  # noqa: E402
@@ -138,7 +139,7 @@ def parse(argv: list[str] | None = None):
 def check_model(name: str) -> str | None:
     """Stops with a message when `name` cannot be evaluated, before anything is loaded; returns the base model of a
     LoRA adapter folder (None for anything else)."""
-    if is_tiny(name):
+    if is_tiny(name) or is_real(name):
         if problem := model_problem(name):
             raise SystemExit(f"error: {problem}")
         return None
@@ -247,6 +248,7 @@ def evaluate_mode(model, tokenizer, sources: Sources, run, config, samples: int,
     if sources.environment is not None:
         factory = partial(sources.environment.factory, {})
         kw = dict(settings=loop_settings(config), batch_size=run.eval_batch_size, samples=samples)
+        kw["system_prompt"] = run.system_prompt
         rollouts = play_tasks(model, tokenizer, factory, tasks, temperature=config.temperature, greedy=greedy, **kw)
         numbers = evaluation_metrics(rollouts, tasks, samples)  # the keys of train.py's held-out numbers
         records = episode_records(rollouts, tasks, samples, mode)

@@ -59,7 +59,7 @@ def held_out(model, tokenizer, sources: Sources, run: RunArguments, config) -> d
             "greedy": evaluate_prompts(model, tokenizer, tasks, sources.reward_funcs, greedy=True, **kw),
         }
     factory = partial(sources.environment.factory, {})
-    kw = dict(settings=loop_settings(config), batch_size=run.eval_batch_size)
+    kw = dict(settings=loop_settings(config), batch_size=run.eval_batch_size, system_prompt=run.system_prompt)
     tasks = sources.eval_rows
     return {
         "sampled": evaluate(

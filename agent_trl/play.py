@@ -1,15 +1,17 @@
 """Play one episode of an environment against a served model, through its OpenAI-compatible API.
 
     python -m agent_trl.play --base_url http://127.0.0.1:8000/v1 --environment shop [--model NAME] [--difficulty 0]
-        [--task_index 0] [--split eval] [--max_turns N] [--max_turn_tokens 32] [--temperature 0] [--out episode.json]
+        [--task_index 0] [--split eval] [--max_turns N] [--max_turn_tokens 32] [--temperature 0]
+        [--system_prompt TEXT] [--out episode.json]
 
 The environment is any the trainer accepts (a built-in name, an ecosystem `<source>:<name>`, or `package.module:Class`
 with `--environment_kwargs`), resolved by `envs.sources.load_environment` as train.py resolves it; the task is the
 `--task_index`-th of its `make_tasks(split, ...)` (`--split eval`, `--task_seed 0` and `--difficulty 0` give the
 run's held-out tasks, in their order), or `--task JSON` for an environment without a task generator.
 
-The chat is the one the agent saw in training (trainers/agent_loop.py `play`): no system prompt of our own (the
-server's chat template adds its default one, if any, as the tokenizer did in training); the first user message is
+The chat is the one the agent saw in training (trainers/agent_loop.py `play`): the run's `--system_prompt` if it had
+one (else none of our own: the server's chat template adds its default one, if any, as the tokenizer did in
+training); the first user message is
 `env.reset(task)` (a reset that returns chat messages gives the whole prompt); each reply's text is the action
 `env.step` receives; each observation comes back as the next message in the environment's `observation_role`
 (`tool` for TRL-style tool classes, whose `tools` schemas go with every request). Steps run through the agent loop's
@@ -41,7 +43,7 @@ import openai
 
 from envs.sources import load_environment
 from rewards.judge import check_endpoint
-from trainers.agent_loop import step_all
+from trainers.agent_loop import step_all, with_system
 
 
 def fail(message: str) -> SystemExit:
@@ -93,6 +95,7 @@ def play_episode(
     timeout: float = 60.0,
     env_timeout: float = 30.0,
     echo: bool = True,
+    system_prompt: str | None = None,
 ) -> dict:
     """Play one episode (see the module docstring); returns the record `--out` writes."""
     say = print if echo else (lambda *a, **k: None)
@@ -115,7 +118,9 @@ def play_episode(
             model = listed[0]
         env = source.factory(task)
         first = env.reset(task)
-        messages = copy.deepcopy(first) if isinstance(first, list) else [{"role": "user", "content": first}]
+        messages = copy.deepcopy(first) if isinstance(first, list) else with_system(first, system_prompt)
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
         turns = max_turns if max_turns is not None else env.max_turns
         say(f"{source.name} task {task.get('task_id', task_index)} (difficulty {difficulty}), model {model!r}")
         for m in messages:
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max_turns", type=int, default=None, help="Most turns (default: the environment's own).")
     parser.add_argument("--max_turn_tokens", type=int, default=32, help="Most new tokens per turn.")
     parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (0: greedy).")
+    parser.add_argument("--system_prompt", default=None, help="The run's system_prompt, sent as a system message.")
     parser.add_argument("--api_key_env", default="OPENAI_API_KEY", help="Variable holding the server's key, if any.")
     parser.add_argument("--timeout", type=float, default=60.0, help="Seconds to wait for one reply.")
     parser.add_argument("--env_timeout", type=float, default=30.0, help="Seconds one environment step may take.")

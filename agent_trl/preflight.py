@@ -10,6 +10,8 @@ import shutil
 import tempfile
 
 from agent_trl.arguments import RunArguments
+from agent_trl.real_model import is_real
+from agent_trl.real_model import model_problem as real_model_problem
 from envs import ENVIRONMENTS
 from envs.adapters import is_adapter_spec
 from envs.tiny import is_tiny
@@ -146,6 +148,8 @@ def model_problem(name: str | None) -> str | None:
     """Why `model_name_or_path` cannot be loaded, found without loading it; None when it looks loadable."""
     if not name:
         return None  # asked for after the data is checked (main)
+    if is_real(name):
+        return real_model_problem(name)
     if is_tiny(name):
         kind, _, env = name.partition(":")
         if env and env not in ENVIRONMENTS and not is_adapter_spec(env):

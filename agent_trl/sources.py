@@ -14,7 +14,7 @@ from agent_trl.arguments import RunArguments
 from envs.base import row_task
 from envs.sources import EnvironmentSource, check_environment, load_environment, load_splits
 from rewards.loading import check_reward_funcs, load_reward_funcs
-from trainers.agent_loop import to_trl
+from trainers.agent_loop import to_trl, with_system
 
 # What the agent loop adds to each row the reward functions see, with an environment: the extra fields of its TRL
 # `rollout_func` return (`to_trl`), less the ids and log-probs TRL keeps and `env_mask` (TRL pops it: the tool mask)
@@ -89,8 +89,14 @@ def env_rows(source: EnvironmentSource, tasks: list[dict]) -> Dataset:
 def load_sources(run: RunArguments, config) -> Sources:
     """Resolve environment, dataset and rewards; every mistake stops here, before a model is loaded. The reward
     functions are checked against the columns of the training rows (plus `LOOP_FIELDS` with an environment) and,
-    single-turn, of the held-out rows they also score."""
+    single-turn, of the held-out rows they also score. `system_prompt` is put into every training prompt and every
+    held-out prompt of a dataset (an environment's held-out episodes get it from the evaluation: `held_out`)."""
     sources = _resolve_sources(run, config)
+    if run.system_prompt is not None:
+        system = run.system_prompt
+        sources.train = sources.train.map(lambda row: {"prompt": with_system(row["prompt"], system)})
+        if sources.environment is None:
+            sources.eval_rows = [{**row, "prompt": with_system(row["prompt"], system)} for row in sources.eval_rows]
     if sources.reward_funcs is not None:
         fields = LOOP_FIELDS if sources.environment is not None else ()
         check_reward_funcs(run.reward_funcs, sources.reward_funcs, sources.train.column_names, fields)

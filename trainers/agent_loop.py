@@ -108,6 +108,21 @@ def render_prompt_ids(tokenizer, messages: list[dict] | str, tools: list[dict] |
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def with_system(prompt: list[dict] | str, system: str | None) -> list[dict] | str:
+    """`prompt` (a text, or chat messages) with `system` as its system message: a text becomes a chat of system and
+    user; a chat's own system message is replaced. Unchanged when `system` is None.
+
+    >>> with_system("2 + 2?", "Reply with the number.")
+    [{'role': 'system', 'content': 'Reply with the number.'}, {'role': 'user', 'content': '2 + 2?'}]
+    >>> with_system([{"role": "system", "content": "old"}, {"role": "user", "content": "hi"}], "new")[0]["content"]
+    'new'
+    """
+    if system is None:
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return [{"role": "system", "content": system}] + [m for m in messages if m.get("role") != "system"]
+
+
 def observation_text(tokenizer, observation: str, role: str = "user") -> str:
     """What the chat template puts between the end-of-turn of an assistant turn and the next generation prompt's end.
 
@@ -783,9 +798,11 @@ def play_tasks(
     batch_size: int = 64,
     samples: int = 1,
     progress: bool = True,
+    system_prompt: str | None = None,
 ) -> list[Rollout]:
     """`samples` episodes of each task, `batch_size` at a time, in eval mode (the model's mode is restored after).
-    Task-major: episode s of task i is rollout i * samples + s."""
+    Task-major: episode s of task i is rollout i * samples + s. `system_prompt`: a system message before each first
+    observation (`with_system`), as training's rows have it."""
     was_training = model.training
     model.eval()
     generate = hf_generate(model, tokenizer, temperature=temperature, do_sample=not greedy)
@@ -794,7 +811,8 @@ def play_tasks(
     bar = tqdm(total=len(jobs), desc="greedy eval" if greedy else "sampled eval", disable=not progress, leave=False)
     for start in range(0, len(jobs), batch_size):
         chunk = jobs[start : start + batch_size]
-        rollouts += play(generate, tokenizer, [env_cls() for _ in chunk], chunk, settings=settings)
+        prompts = None if system_prompt is None else [with_system([], system_prompt) for _ in chunk]
+        rollouts += play(generate, tokenizer, [env_cls() for _ in chunk], chunk, prompts, settings=settings)
         bar.update(len(chunk))
     bar.close()
     model.train(was_training)
@@ -833,10 +851,12 @@ def evaluate(
     batch_size: int = 64,
     samples: int = 1,
     progress: bool = True,
+    system_prompt: str | None = None,
 ) -> dict[str, float]:
     """Held-out success and reward: `samples` episodes per task (pass^k counts tasks solved in all of them); the
     episodes themselves: `play_tasks`, the numbers: `evaluation_metrics`."""
     kw = dict(temperature=temperature, greedy=greedy, batch_size=batch_size, samples=samples, progress=progress)
+    kw["system_prompt"] = system_prompt
     return evaluation_metrics(play_tasks(model, tokenizer, env_cls, tasks, settings, **kw), tasks, samples)
 
 

@@ -86,3 +86,21 @@ def write_summary(path: str | Path, summary: dict) -> Path:
     tmp.write_text(json.dumps(summary, indent=2, default=str))
     tmp.replace(path)
     return path
+
+
+def speed(log_history: list[dict]) -> dict:
+    """Time per optimizer step (TRL's logged `step_time`: generation, scoring and the update, mean over the logged
+    steps, and the whole training time over the steps trained) and the process's peak resident memory so far
+    (`ru_maxrss`: the model, the optimizer, evaluation and the largest step's activations)."""
+    import resource
+    import sys
+
+    step_times = [row["step_time"] for row in log_history if "step_time" in row]
+    end = next((row for row in reversed(log_history) if "train_runtime" in row), {})
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes
+    return {
+        "seconds_per_step": round(sum(step_times) / len(step_times), 2) if step_times else None,
+        "train_seconds_per_step": round(end["train_runtime"] / end["step"], 2) if end.get("step") else None,
+        "peak_memory_gib": round(peak / 2**30, 2),
+    }
+
