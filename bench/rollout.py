@@ -28,6 +28,16 @@ The ceiling is model compute without sequential decoding: one no-grad forward of
 call's whole batch (prompt and completion ids, padded as TRL pads them), in tokens per second of its non-pad tokens.
 
     HF_HUB_OFFLINE=1 python bench/rollout.py --episodes 64 --repeats 3
+    HF_HUB_OFFLINE=1 python bench/rollout.py --model smollm2 --episodes 16 --repeats 3 \\
+        --out bench/results/rollout_smollm2
+
+`--model smollm2` plays the real pretrained model (SmolLM2-135M-Instruct, 134.5M parameters, agent_trl/real_model.py)
+instead of the tiny tool model, where model compute, not per-operation overhead, dominates. Its own chat template
+renders no tools, and TRL's tool loop needs one that does: the bench gives its tokenizer TRL's copy of the Qwen2.5
+template (`trl.chat_template_utils.qwen2_5_chat_template`, the same `<|im_start|>`/`<|im_end|>` markers SmolLM2 was
+trained with), in a folder of its own beside the converted model (`tool_template_folder`). The model was never taught
+this tool-call format, so few of its turns are tool calls and most episodes end after one turn: the comparison is
+mostly of the first turn's generation.
 
 Writes bench/results/rollout/result.json (every timed call's seconds, turns, model tokens and rewards per episode,
 the warm-up times, the settings, library versions and machine) and result.md (the table above), or into `--out`.
@@ -72,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "CPU, then cached; 150 builds in about 5 and plays alike)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        choices=("tiny", "smollm2"),
+        help="tiny: the tiny tool-calling shop model (built and cached); smollm2: the real pretrained model",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "rollout", help="folder for result.json and result.md")
     args = p.parse_args(argv)
     if args.episodes % args.group_size:
@@ -116,6 +132,27 @@ def bare_forward_tokens_per_s(model, out: dict, repeats: int = 3) -> float:
             model(input_ids=ids, attention_mask=mask)
             best = min(best, time.perf_counter() - start)
     return float(mask.sum()) / best
+
+
+def tool_template_folder() -> str:
+    """The real model's converted folder (agent_trl/real_model.py) with TRL's Qwen2.5 chat template on its tokenizer,
+    which renders tools: the weights and config linked, the tokenizer saved anew, in the cache beside the model."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from agent_trl.real_model import real_model
+
+    source = Path(real_model("smollm2"))
+    folder = source.parent / f"{source.name}-qwen2.5-template"
+    if not (folder / "tokenizer_config.json").is_file():
+        folder.mkdir(exist_ok=True)
+        for name in ("config.json", "generation_config.json", "model.safetensors"):
+            if not (folder / name).exists():
+                (folder / name).symlink_to(source / name)
+        tokenizer = AutoTokenizer.from_pretrained(source, padding_side="left")
+        tokenizer.chat_template = qwen2_5_chat_template
+        tokenizer.save_pretrained(folder)
+    return str(folder)
 
 
 def build_trainers(args: argparse.Namespace, folder: str, rows: list[dict]):
@@ -256,7 +293,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     t0 = time.perf_counter()
     overrides = {} if args.sft_steps is None else {"sft_steps": args.sft_steps}
-    folder = tiny_tool_model(difficulty=args.difficulty, seed=args.seed, **overrides)
+    if args.model == "smollm2":
+        folder = tool_template_folder()
+    else:
+        folder = tiny_tool_model(difficulty=args.difficulty, seed=args.seed, **overrides)
     build_seconds = time.perf_counter() - t0
     print(f"tool model: {folder} ({build_seconds:.0f} s to build or load)", file=sys.stderr)
 

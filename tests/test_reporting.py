@@ -66,3 +66,15 @@ def test_write_summary(tmp_path):
     path = write_summary(tmp_path / "summary.json", {"held_out": {"after": 0.4}, "path": tmp_path})
     assert json.loads(path.read_text()) == {"held_out": {"after": 0.4}, "path": str(tmp_path)}
     assert not (tmp_path / "summary.json.tmp").exists()
+
+
+def test_speed_reads_trl_step_times_and_the_process_peak():
+    from trainers.reporting import speed
+
+    history = [{"step_time": 2.0, "step": 1}, {"loss": 0.1, "step": 1}, {"step_time": 4.0, "step": 2}]
+    history.append({"train_runtime": 9.0, "step": 2})
+    pace = speed(history)
+    assert pace["seconds_per_step"] == 3.0  # (2 + 4) / 2
+    assert pace["train_seconds_per_step"] == 4.5  # 9 s over 2 steps
+    assert pace["peak_memory_gib"] > 0.05  # this process holds torch at least
+    assert speed([])["seconds_per_step"] is None and speed([])["train_seconds_per_step"] is None
