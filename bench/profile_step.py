@@ -3,6 +3,14 @@ backward, the optimizer, and everything else (framework overhead), per method, o
 
     python bench/profile_step.py --steps 10 --model tiny:shop --methods grpo ppo mpo [--beta 0.0 0.02]
     python bench/profile_step.py --steps 5 --model tiny:shop --methods grpo --beta 0.02 --torch_compile
+    python bench/profile_step.py --steps 3 --model smollm2 --env textarena:GuessTheNumber-v0 --methods grpo ppo \\
+        --batch_size 16 --num_generations 4 --max_turn_tokens 8 --max_completion_length 256 --lora_r 16 \\
+        --system_prompt "Reply with only your guess in square brackets, like [10]." \\
+        --out bench/results/profile_step_smollm2
+
+`--model smollm2` is the real pretrained model (agent_trl/real_model.py); `--lora_r` trains a LoRA adapter of that
+rank on every linear layer (alpha twice the rank, as the real-model recipes) instead of every weight, and
+`--system_prompt` puts a system message before every first observation (the run field of the same name).
 
 Each method trains `--steps` optimizer steps (after one untimed warm-up step) with the shop recipe's batch layout
 (64 rollouts per step: 8 tasks x G 8, 24 tokens per turn, 256 per episode), each `--beta` (the KL weight to the
@@ -50,11 +58,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
+from agent_trl.real_model import is_real, real_model  # noqa: E402
 from agent_trl.sources import env_rows  # noqa: E402
 from bench.record import RESULTS, write_result  # noqa: E402
 from envs.sources import load_environment  # noqa: E402
 from envs.tiny import is_tiny, tiny_model  # noqa: E402
 from trainers import TRAINERS, agent_loop  # noqa: E402
+from trainers.agent_loop import with_system  # noqa: E402
 
 PARTS = ["generation", "environment", "agent loop, other", "no-grad forwards", "rewards", "advantages",
          "loss forward", "backward", "optimizer"]  # fmt: skip
@@ -165,10 +175,19 @@ def profile(method: str, beta: float, folder: str, opts: argparse.Namespace, wor
         use_cpu=not torch.cuda.is_available(), activation_checkpointing=False, save_strategy="no",
         logging_strategy="no", disable_tqdm=True, torch_compile=compile_,
     )  # fmt: skip
+    rows = env_rows(source, source.make_tasks("train", 256, seed=0, difficulty=0))
+    if opts.system_prompt is not None:
+        rows = rows.map(lambda row: {"prompt": with_system(row["prompt"], opts.system_prompt)})
+    lora = None
+    if opts.lora_r:
+        from peft import LoraConfig
+
+        lora = LoraConfig(
+            r=opts.lora_r, lora_alpha=2 * opts.lora_r, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
     trainer = trainer_cls(
         model=folder, args=config, processing_class=AutoTokenizer.from_pretrained(folder, padding_side="left"),
-        train_dataset=env_rows(source, source.make_tasks("train", 256, seed=0, difficulty=0)),
-        env_factory=source.factory,
+        train_dataset=rows, env_factory=source.factory, peft_config=lora,
     )  # fmt: skip
     prof = Profiler()
     instrument(trainer, prof)
@@ -234,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--env", default="shop")
-    parser.add_argument("--model", default="tiny:shop", help="tiny:<env> or a model folder")
+    parser.add_argument("--model", default="tiny:shop", help="tiny:<env>, smollm2 or a model folder")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--max_completion_length", type=int, default=256)
@@ -244,9 +263,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--torch_compile", action="store_true", help="also a row per method and beta with torch_compile: true (D16)"
     )
+    parser.add_argument("--lora_r", type=int, default=0, help="LoRA rank on every linear layer (0: full weights)")
+    parser.add_argument("--system_prompt", default=None, help="a system message before every first observation")
     parser.add_argument("--out", type=Path, default=RESULTS / "profile_step")
     opts = parser.parse_args(argv)
-    folder = tiny_model(opts.model) if is_tiny(opts.model) else opts.model
+    folder = opts.model
+    if is_tiny(opts.model) or is_real(opts.model):
+        folder = tiny_model(opts.model) if is_tiny(opts.model) else real_model(opts.model)
     with tempfile.TemporaryDirectory() as workdir:
         results = {
             (m if beta == 0 else f"{m}, beta {beta:g}") + (", compiled" if compile_ else ""): profile(
