@@ -9,6 +9,8 @@ the recipe's batch (32 completions of up to 32 tokens) and the arm's flags:
 
 - `full, fp32`: no LoRA, every weight trained, fp32 weights and compute (AdamW keeps two fp32 moments per weight);
 - `LoRA, fp32`: the recipe (r 16 on every linear layer);
+- `LoRA, fp32, activation checkpointing`: the recipe with `--activation_checkpointing true` (each block's activations
+  recomputed in the backward pass instead of kept: less memory, one more forward of compute);
 - `QLoRA, fp32 compute`: the recipe with `--load_in_4bit` (bitsandbytes NF4 base weights, `device_map: cpu`);
 - `full, bf16` and `LoRA, bf16`: weights loaded in bfloat16 (`--dtype bfloat16`) and `--bf16 true` (autocast).
 
@@ -39,6 +41,7 @@ LORA_OFF = ["--use_peft", "false"]
 ARMS: dict[str, list[str]] = {
     "full, fp32": LORA_OFF + ["--learning_rate", "1e-6"],  # full fine-tuning: a step size of its own kind
     "LoRA, fp32": [],
+    "LoRA, fp32, activation checkpointing": ["--activation_checkpointing", "true"],
     "QLoRA, fp32 compute": ["--load_in_4bit", "true"],
     "full, bf16": LORA_OFF + ["--learning_rate", "1e-6", "--dtype", "bfloat16", "--bf16", "true"],
     "LoRA, bf16": ["--dtype", "bfloat16", "--bf16", "true"],
