@@ -4,8 +4,8 @@ backward, the optimizer, and everything else (framework overhead), per method, o
     python bench/profile_step.py --steps 10 --model tiny:shop --methods grpo ppo mpo [--beta 0.0 0.02]
     python bench/profile_step.py --steps 5 --model tiny:shop --methods grpo --beta 0.02 --torch_compile
     python bench/profile_step.py --steps 3 --model smollm2 --env textarena:GuessTheNumber-v0 --methods grpo ppo \\
-        --batch_size 16 --num_generations 4 --max_turn_tokens 8 --max_completion_length 256 --lora_r 16 \\
-        --system_prompt "Reply with only your guess in square brackets, like [10]." \\
+        --batch_size 8 --num_generations 4 --max_turn_tokens 8 --max_completion_length 192 --lora_r 16 \\
+        --temperature 0.7 --system_prompt "Reply with only your guess in square brackets, like [10]." \\
         --out bench/results/profile_step_smollm2
 
 `--model smollm2` is the real pretrained model (agent_trl/real_model.py); `--lora_r` trains a LoRA adapter of that
@@ -171,7 +171,8 @@ def profile(method: str, beta: float, folder: str, opts: argparse.Namespace, wor
         output_dir=os.path.join(workdir, f"{method}-{beta}"), per_device_train_batch_size=opts.batch_size, beta=beta,
         num_generations=opts.num_generations, max_completion_length=opts.max_completion_length,
         max_turn_tokens=opts.max_turn_tokens, max_steps=opts.steps + 1, learning_rate=0.0,
-        lr_scheduler_type="constant", loss_type="grpo", report_to="none", seed=0, bf16=False,
+        temperature=opts.temperature, lr_scheduler_type="constant", loss_type="grpo", report_to="none", seed=0,
+        bf16=False,
         use_cpu=not torch.cuda.is_available(), activation_checkpointing=False, save_strategy="no",
         logging_strategy="no", disable_tqdm=True, torch_compile=compile_,
     )  # fmt: skip
@@ -264,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--torch_compile", action="store_true", help="also a row per method and beta with torch_compile: true (D16)"
     )
     parser.add_argument("--lora_r", type=int, default=0, help="LoRA rank on every linear layer (0: full weights)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     parser.add_argument("--system_prompt", default=None, help="a system message before every first observation")
     parser.add_argument("--out", type=Path, default=RESULTS / "profile_step")
     opts = parser.parse_args(argv)
