@@ -12,7 +12,7 @@ from trainers.agent_loop import LoopSettings
 
 CONFIG = SimpleNamespace(max_completion_length=96, max_turn_tokens=24, max_turns=3, reward_weights=[1.0, 0.5],
                          temperature=0.7, top_p=0.9, top_k=None)  # fmt: skip
-RUN = SimpleNamespace(eval_batch_size=5, eval_samples=4, success_threshold=None)
+RUN = SimpleNamespace(eval_batch_size=5, eval_samples=4, success_threshold=None, system_prompt="Be brief.")
 
 
 @pytest.fixture
@@ -54,6 +54,7 @@ def test_an_environment_plays_eval_samples_episodes_a_task(calls):
     assert name == "evaluate" and args[:2] == greedy_args[:2] == ("model", "tokenizer")
     assert args[3] == greedy_args[3] == tasks
     settings = LoopSettings(max_turn_tokens=24, max_completion_length=96, max_turns=3)
-    assert sampled == {"temperature": 0.7, "samples": 4, "settings": settings, "batch_size": 5}
-    assert greedy == {"greedy": True, "settings": settings, "batch_size": 5}
+    shared = {"settings": settings, "batch_size": 5, "system_prompt": "Be brief."}  # the run's system prompt
+    assert sampled == {"temperature": 0.7, "samples": 4, **shared}
+    assert greedy == {"greedy": True, **shared}
     assert args[2]() == "env" and built == [{}]  # the factory builds from an empty row: the task comes at reset

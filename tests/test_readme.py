@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from agent_trl.real_model import real_model
+
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = (
     "--max_steps 1 --num_train_tasks 16 --num_eval_tasks 4 --per_device_train_batch_size 8 --num_generations 4 "
@@ -40,13 +42,16 @@ def test_the_block_reader():
 def test_the_readme_has_the_three_runnable_sections():
     blocks = runnable_blocks((ROOT / "README.md").read_text())
     commands = [c for block in blocks for c in block]
-    assert len(blocks) == 3 and len(commands) == 4, commands
-    for file in ("examples.my_reward", "examples/local_model.py", "examples.guess_env"):
+    assert len(blocks) == 4 and len(commands) == 6, commands
+    for file in ("smollm2_guess_the_number", "smollm2_arith", "examples.my_reward", "examples/local_model.py",
+                 "examples.guess_env"):  # fmt: skip
         assert any(file in c for c in commands), file
 
 
 def test_every_runnable_readme_command_runs(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "AGENT_TRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "real").symlink_to(Path(real_model()).parent)  # the real model, converted once (make setup)
     runs = tmp_path / "runs"
     for block in runnable_blocks((ROOT / "README.md").read_text()):
         for command in block:

@@ -24,6 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -168,7 +169,8 @@ def test_evaluate_scores_the_adapter(lora_run, tmp_path):
     assert result["sampled"]["episodes"] == 6 and result["greedy"]["episodes"] == 3
     lines = (tmp_path / "transcripts.jsonl").read_text().splitlines()
     first = json.loads(lines[0])
-    assert first["prompt"][0] == {"role": "system", "content": "Reply with only the number."}
+    recipe = yaml.safe_load((ROOT / "configs/smollm2_arith.yaml").read_text())
+    assert first["prompt"][0] == {"role": "system", "content": recipe["system_prompt"]}  # as training put it
 
 
 def test_export_merges_the_adapter(lora_run, smollm2, tmp_path):
