@@ -67,6 +67,9 @@ def run_arm(name: str, flags: list[str], steps: int, threads: int, workdir: Path
         "parameters": summary["parameters"],
         "process_wall_s": round(wall, 1),
         "losses": [row.get("loss") for row in summary["log_history"] if "loss" in row],
+        # the step time includes generation, and each arm's numerics sample completions of other lengths
+        "completion_lengths": [row["completions/mean_length"] for row in summary["log_history"]
+                               if "completions/mean_length" in row],  # fmt: skip
     }
 
 
@@ -74,14 +77,17 @@ def report(results: dict, args: argparse.Namespace) -> str:
     lines = [
         f"GRPO on the real model (configs/smollm2_arith.yaml: 32 completions of up to 32 tokens per step), "
         f"{args.steps} steps per run, {args.repeats} repeats, {args.threads} torch threads; one arm at a time\n",
-        "| arm | s/step (median) | vs LoRA fp32 | peak memory (GiB) | trainable parameters | stored 4-bit |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| arm | s/step (median) | vs LoRA fp32 | completion tokens (mean) | peak memory (GiB) | trainable parameters "
+        "| stored 4-bit |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     base = results["LoRA, fp32"]["median_s"]
     for name, r in results.items():
         p = r["parameters"]
+        lengths = [x for run in r["runs"] for x in run.get("completion_lengths", [])]
+        length = f"{statistics.mean(lengths):.1f}" if lengths else "n/a"
         lines.append(
-            f"| {name} | {r['median_s']:.1f} | {r['median_s'] / base:.2f}x | {r['peak_memory_gib']:.2f} | "
+            f"| {name} | {r['median_s']:.1f} | {r['median_s'] / base:.2f}x | {length} | {r['peak_memory_gib']:.2f} | "
             f"{p['trainable']:,} | {p['quantized']:,} |"
         )
     return "\n".join(lines)
