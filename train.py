@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -37,6 +38,7 @@ from agent_trl.funnel_run import run_funnel_report  # noqa: E402
 from agent_trl.preflight import check_report_to, check_run  # noqa: E402
 from agent_trl.resume import StopOnSignal, close_process_group, resume_checkpoint  # noqa: E402
 from agent_trl.run_info import adapter_settings, count_parameters, resolve_model, versions  # noqa: E402
+from agent_trl.served import point_at, servable_roles, serve  # noqa: E402
 from agent_trl.sources import load_sources  # noqa: E402
 from envs.adapters import is_adapter_spec  # noqa: E402
 from envs.sources import load_environment  # noqa: E402
@@ -77,6 +79,29 @@ def parse(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> dict:
     run, config, model_args, trainer_cls = parse(argv)
+    with ExitStack() as stack:  # a served judge (serve_model) lives as long as the run, however the run ends
+        if run.serve_model is not None:
+            start_server(run, config, stack)
+        return train(run, config, model_args, trainer_cls)
+
+
+def start_server(run: RunArguments, config, stack: ExitStack) -> None:
+    """`transformers serve` on `run.serve_model` until `stack` closes, the config's openai endpoints pointed at it."""
+    if run.serve_threads < 1:
+        raise SystemExit(f"error: serve_threads must be >= 1, got {run.serve_threads}")
+    if not (roles := servable_roles(config)):
+        raise SystemExit(
+            f"error: serve_model is set, but trainer {run.trainer!r} has no judge, analyzer or editor with backend "
+            "`openai` and base_url unset to point at it; set e.g. judge_backend: openai, or drop serve_model"
+        )
+    log = os.path.join(config.output_dir, "serve.log")
+    print(f"serving {run.serve_model} for the {', '.join(roles)} with transformers serve (log: {log})")
+    endpoint = stack.enter_context(serve(run.serve_model, threads=run.serve_threads, log_path=log))
+    point_at(config, endpoint)
+    print(f"served at {endpoint.base_url}")
+
+
+def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
     check_run(run, config, model_args)
     checkpoint = resume_checkpoint(config)
     start = time.time()

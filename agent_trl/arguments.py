@@ -81,6 +81,16 @@ class RunArguments:
     )
     eval_batch_size: int = field(default=100, metadata={"help": "Episodes played together during evaluation."})
     skip_eval: bool = field(default=False, metadata={"help": "Skip the before/after held-out evaluation."})
+    serve_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Serve this model (a model folder, or smollm2) with `transformers serve` on a free loopback port "
+            "for the length of the run, and point every judge, analyzer and editor whose backend is `openai` and "
+            "whose base_url is unset at it (its model id too). The server keeps the weights it started with and "
+            "runs on serve_threads CPU threads. Default: none."
+        },
+    )
+    serve_threads: int = field(default=1, metadata={"help": "Torch threads of the serve_model server."})
     tiny_seed: int = field(
         default=0, metadata={"help": "Seed of the tiny default's build (demonstrations, init, SFT); RL uses `seed`."}
     )

@@ -2,6 +2,7 @@
 
     python -m rewards.audit --tasks tasks.jsonl --out DIR --base_url http://host:8000/v1 --model NAME \
         [--api_key_env OPENAI_API_KEY] [--concurrency 16] [--limit N] [--retry_failed] [--cache FILE]
+    python -m rewards.audit --tasks tasks.jsonl --out DIR --serve_model smollm2   # served on loopback meanwhile
 
 Each task (one JSON object per line with `task_id` and `instruction`; the other fields are shown to the auditor as the
 environment, the verifier and the reference solution) is sent to an LLM auditor over the `openai` client
@@ -34,7 +35,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,10 @@ ACCEPT_AT, BORDERLINE_AT = 0.75, 0.60
 AUDITOR = APIModelFields(
     "",
     ("model", "base_url", "api_key_env", "cache_path", "concurrency", "timeout", "max_retries"),
-    defaults={"model": MISSING, "base_url": MISSING, "concurrency": 16},
+    defaults={"concurrency": 16},
     help={
-        "model": "auditor model id at the endpoint",
-        "base_url": "OpenAI-compatible base URL, e.g. http://host:8000/v1",
+        "model": "auditor model id at the endpoint (required unless --serve_model)",
+        "base_url": "OpenAI-compatible base URL, e.g. http://host:8000/v1 (required unless --serve_model)",
         "api_key_env": "environment variable holding the API key",
         "cache_path": "sqlite3 cache of auditor answers (optional)",
         "concurrency": "most requests in flight",
@@ -428,15 +429,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="audit at most this many new tasks")
     parser.add_argument("--retry_failed", action="store_true", help="audit again the tasks rejected as audit_failed")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--serve_model",
+        default=None,
+        help="audit with this model (a folder, or smollm2) served by `transformers serve` on loopback for the length "
+        "of the audit, instead of --base_url and --model",
+    )
     args = parser.parse_args(argv)
     if args.concurrency < 1 or (args.limit is not None and args.limit < 0):
         parser.error("--concurrency must be >= 1 and --limit >= 0")
+    missing = [flag for flag, value in (("--model", args.model), ("--base_url", args.base_url)) if not value]
+    if args.serve_model is None and missing:
+        parser.error(f"required: {', '.join(missing)} (or --serve_model to serve a model for the audit)")
+    if args.serve_model is not None and (args.model or args.base_url):
+        parser.error("--serve_model serves the auditor itself; drop --model and --base_url")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    """Run the audit; returns the report."""
+    """Run the audit; returns the report. With --serve_model, against that model served on loopback meanwhile."""
     args = parse_args(argv)
+    if args.serve_model is None:
+        return audit(args)
+    from agent_trl.served import serve
+
+    log = Path(args.out) / "serve.log"
+    print(f"serving {args.serve_model} for the audit with transformers serve (log: {log})", file=sys.stderr)
+    with serve(args.serve_model, log_path=log) as endpoint:
+        args.base_url, args.model = endpoint.base_url, endpoint.model
+        return audit(args)
+
+
+def audit(args: argparse.Namespace) -> dict:
+    """The audit of `args.tasks` into `args.out` against the endpoint `args.base_url`."""
     tasks = read_tasks(args.tasks)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

