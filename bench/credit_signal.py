@@ -7,9 +7,14 @@ default at the start of training.
     python bench/credit_signal.py --envs terminal --out bench/results/credit_signal_terminal2  # terminal level 2
     python bench/credit_signal.py --envs search --set difficulty=2 max_completion_length=960 \
         --out bench/results/credit_signal_search2                  # the recipes' fields overridden (search level 2)
+    python bench/credit_signal.py --recipe configs/smollm2_guess_the_number.yaml --batches 12 \
+        --set per_device_train_batch_size=16 --out bench/results/credit_signal_smollm2   # the real model, multi-turn
 
 For each method and environment, the method's trainer is built from its shipped recipe (`configs/<method>_<env>.yaml`,
-parsed and built as train.py does: 8 tasks x 8 rollouts per generation batch) on the tiny default agent, and plays
+parsed and built as train.py does: 8 tasks x 8 rollouts per generation batch) on the tiny default agent, or with
+`--recipe` from that one recipe with its trainer replaced by the method's (the real model's recipe: its environment,
+model, system prompt and sampling; a recipe with `serve_model` gets its served judge or analyzer, agent_trl/served.py),
+and plays
 `--batches` generation batches of training tasks through `trainer.train()` at learning rate 0 (every batch is played
 by the SFT start, where the credit matters most). Each turn of each rollout is labelled by replaying the rollout in
 a fresh environment: an **expert turn** is one whose action equals the environment's expert action in that state
@@ -32,13 +37,16 @@ import argparse
 import os
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import yaml  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
+from trl import get_peft_config  # noqa: E402
 
 import train  # noqa: E402
 from agent_trl.run_info import resolve_model  # noqa: E402
@@ -50,16 +58,26 @@ from trainers import TRAINERS  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def recipe_argv(method: str, env: str, seed: int, workdir: str, extra: list[str] = ()) -> list[str]:
-    """train.py's command line for `configs/<method>_<env>.yaml`; `extra`: more fields (`--tiny_guidance_frac 0.5`)."""
-    argv = ["--config", str(ROOT / "configs" / f"{method}_{env}.yaml"), "--seed", str(seed), *extra]
+def recipe_argv(
+    method: str, env: str, seed: int, workdir: str, extra: list[str] = (), recipe: Path | None = None
+) -> list[str]:
+    """train.py's command line for `configs/<method>_<env>.yaml`, or for `recipe` run by `method`; `extra`: more
+    fields (`--tiny_guidance_frac 0.5`)."""
+    if recipe is None:
+        argv = ["--config", str(ROOT / "configs" / f"{method}_{env}.yaml")]
+    else:
+        argv = ["--config", str(recipe), "--trainer", method]
+    argv += ["--seed", str(seed), *extra]
     return argv + ["--output_dir", os.path.join(workdir, f"{method}_{env}"), "--report_to", "none"]
 
 
-def build(method: str, env: str, seed: int, workdir: str, extra: list[str] = ()):
-    """The trainer of `configs/<method>_<env>.yaml`, parsed and built exactly as train.py builds it (no evaluation,
-    no training), and its environment source."""
-    run, config, model_args, trainer_cls = train.parse(recipe_argv(method, env, seed, workdir, extra))
+def build(method: str, env: str, seed: int, workdir: str, extra: list[str] = (), recipe=None, stack=None):
+    """The trainer of `configs/<method>_<env>.yaml` (or of `recipe` run by `method`), parsed and built exactly as
+    train.py builds it (no evaluation, no training), and its environment source. A recipe's `serve_model` is served
+    until `stack` closes."""
+    run, config, model_args, trainer_cls = train.parse(recipe_argv(method, env, seed, workdir, extra, recipe))
+    if run.serve_model is not None:
+        train.start_server(run, config, stack)
     sources = load_sources(run, config)
     folder = resolve_model(model_args.model_name_or_path, run, sources)
     trainer = trainer_cls(
@@ -68,6 +86,7 @@ def build(method: str, env: str, seed: int, workdir: str, extra: list[str] = ())
         train_dataset=sources.train,
         processing_class=AutoTokenizer.from_pretrained(folder, padding_side="left"),
         env_factory=sources.environment.factory,
+        peft_config=get_peft_config(model_args),  # the recipe's LoRA, as train.py builds it
     )
     return trainer, sources
 
@@ -84,8 +103,15 @@ def expert_labels(source, row: dict, transcript: list[dict]) -> list[bool]:
     return labels
 
 
-def measure(method: str, env: str, batches: int, seed: int, workdir: str, extra: list[str] = ()) -> dict:
-    trainer, sources = build(method, env, seed, workdir, extra)
+def measure(
+    method: str, env: str, batches: int, seed: int, workdir: str, extra: list[str] = (), recipe: Path | None = None
+) -> dict:
+    with ExitStack() as stack:
+        trainer, sources = build(method, env, seed, workdir, extra, recipe, stack)
+        return measure_trainer(trainer, sources, method, env, batches)
+
+
+def measure_trainer(trainer, sources, method: str, env: str, batches: int) -> dict:
     source = sources.environment
     trainer.args.max_steps, trainer.args.learning_rate = batches, 0.0  # every batch is played by the SFT start
     trainer.args.logging_steps = batches
@@ -126,6 +152,14 @@ def measure(method: str, env: str, batches: int, seed: int, workdir: str, extra:
     return out
 
 
+def recipe_environment(recipe: Path) -> str:
+    """The environment a recipe names, as a table label (`textarena:GuessTheNumber-v0` -> `GuessTheNumber-v0`)."""
+    environment = yaml.safe_load(recipe.read_text()).get("environment")
+    if not environment:
+        raise SystemExit(f"error: --recipe {recipe}: names no environment (the credit is per turn of an episode)")
+    return str(environment).rpartition(":")[2]
+
+
 def set_fields(items: list[str], guidance_frac: float | None = None) -> list[str]:
     """`--set` items (FIELD=VALUE) and `--tiny_guidance_frac` as train.py's command-line fields."""
     fields = [arg for item in items for arg in (f"--{item.partition('=')[0]}", item.partition("=")[2])]
@@ -154,6 +188,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="FIELD=VALUE", help="overrides of every recipe's fields (a level...)"
     )
+    parser.add_argument(
+        "--recipe",
+        type=Path,
+        default=None,
+        help="run every method on this recipe (its trainer replaced) instead of configs/<method>_<env>.yaml; "
+        "--envs is then ignored",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "credit_signal")
     opts = parser.parse_args(argv)
     bad = [item for item in opts.set if not item.partition("=")[0] or "=" not in item]
@@ -171,10 +212,11 @@ def main(argv: list[str] | None = None) -> dict:
                 return out
 
         TRAINERS[name] = (Recording, TRAINERS[name][1])
+    envs = opts.envs if opts.recipe is None else [recipe_environment(opts.recipe)]
     with tempfile.TemporaryDirectory() as workdir:
-        for env in opts.envs:
+        for env in envs:
             for name in opts.methods:
-                results[f"{name}/{env}"] = measure(name, env, opts.batches, opts.seed, workdir, fields)
+                results[f"{name}/{env}"] = measure(name, env, opts.batches, opts.seed, workdir, fields, opts.recipe)
                 print(name, env, results[f"{name}/{env}"], file=sys.stderr)
     lines = [
         "| method | environment | ordering share (0.5: none) | pairs | A > 0: expert / other turns | "

@@ -34,3 +34,19 @@ def test_a_malformed_set_item_stops_at_start(bad, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         credit_signal.main(["--set", bad])
     assert "FIELD=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["taspo", "alignopsd"])
+def test_a_recipe_is_run_by_each_method(method, tmp_path):
+    """`--recipe`: the real model's recipe with its trainer replaced; its environment, model and prompt kept."""
+    recipe = credit_signal.ROOT / "configs" / "smollm2_guess_the_number.yaml"
+    extra = credit_signal.set_fields(["per_device_train_batch_size=16"])
+    argv = credit_signal.recipe_argv(method, "GuessTheNumber-v0", 1, str(tmp_path), extra, recipe)
+    run, config, model_args, trainer_cls = train.parse(argv)
+    assert run.trainer == method and trainer_cls.__name__.lower().startswith(method)
+    assert (run.environment, model_args.model_name_or_path) == ("textarena:GuessTheNumber-v0", "smollm2")
+    assert (config.per_device_train_batch_size, config.num_generations, config.seed) == (16, 4, 1)
+    assert run.system_prompt.startswith("Play the game.")
+    assert credit_signal.recipe_environment(recipe) == "GuessTheNumber-v0"
+    with pytest.raises(SystemExit, match="names no environment"):
+        credit_signal.recipe_environment(credit_signal.ROOT / "configs" / "smollm2_arith.yaml")
