@@ -35,13 +35,14 @@ from agent_trl.arguments import RunArguments  # noqa: E402
 from agent_trl.config_file import check_config_file, join_negative_numbers  # noqa: E402
 from agent_trl.evaluation import held_out, held_out_logs  # noqa: E402
 from agent_trl.funnel_run import run_funnel_report  # noqa: E402
-from agent_trl.preflight import check_report_to, check_run  # noqa: E402
+from agent_trl.preflight import check_report_to, check_run, context_problem  # noqa: E402
 from agent_trl.resume import StopOnSignal, close_process_group, resume_checkpoint  # noqa: E402
 from agent_trl.run_info import adapter_settings, count_parameters, resolve_model, versions  # noqa: E402
 from agent_trl.served import point_at, servable_roles, serve  # noqa: E402
 from agent_trl.sources import load_sources  # noqa: E402
 from envs.adapters import is_adapter_spec  # noqa: E402
 from envs.sources import load_environment  # noqa: E402
+from rewards.loading import RewardFunctionError  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 from trainers.base import NoRewardSignal  # noqa: E402
 from trainers.reporting import plot_curves, speed, write_summary  # noqa: E402
@@ -117,6 +118,8 @@ def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
             "environment, tiny for a dataset)"
         )
     model_args.model_name_or_path = resolve_model(name, run, sources)
+    if problem := context_problem(config, model_args.model_name_or_path):
+        raise SystemExit(f"error: {problem}")
     quantization = get_quantization_config(model_args)
     config.model_init_kwargs = {
         "dtype": model_args.dtype or "float32",
@@ -160,11 +163,13 @@ def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
         try:
             trainer.train(resume_from_checkpoint=checkpoint)
         except NoRewardSignal as err:  # the trainer saved a checkpoint; keep the summary so far, then stop loudly
-            summary["stopped"] = {"reason": "no reward signal", "step": trainer.state.global_step, "error": str(err)}
-            summary["log_history"] = trainer.state.log_history
-            if trainer.accelerator.is_main_process:
-                write_summary(os.path.join(config.output_dir, "summary.json"), summary)
-            raise SystemExit(f"error: {err}") from err
+            raise stopped(trainer, config, summary, "no reward signal", str(err)) from err
+        except RewardFunctionError as err:  # a user's reward broke mid-run: keep what was trained, name the function
+            saved = "nothing was trained yet, so no checkpoint was saved"
+            if (step := trainer.state.global_step) > 0:
+                trainer.save_checkpoint(trainer.model, trial=None)
+                saved = f"saved checkpoint-{step} in {config.output_dir}; fix it, then --resume_from_checkpoint true"
+            raise stopped(trainer, config, summary, "reward function error", f"{err} ({saved})") from err
     trainer.save_model(config.output_dir)
     if stop.requested is not None:
         summary["interrupted"] = {"signal": stop.requested, "step": trainer.state.global_step}
@@ -197,6 +202,15 @@ def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
             held_out={k: summary[k]["sampled"]["success" if env else "reward"] for k in summary if k in HELD_OUT},
         )
     return summary
+
+
+def stopped(trainer, config, summary: dict, reason: str, message: str) -> SystemExit:
+    """Write summary.json with the logs so far and why the run stopped; the SystemExit to raise with the message."""
+    summary["stopped"] = {"reason": reason, "step": trainer.state.global_step, "error": message}
+    summary["log_history"] = trainer.state.log_history
+    if trainer.accelerator.is_main_process:
+        write_summary(os.path.join(config.output_dir, "summary.json"), summary)
+    return SystemExit(f"error: {message}")
 
 
 def cli() -> None:

@@ -34,6 +34,10 @@ def check_config_file(argv: list[str]) -> None:
             path = arg.split("=", 1)[1]
         else:
             continue
+        if os.path.isdir(path):
+            shown = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))[:3]
+            example = f" (e.g. {os.path.join(path, shown[0])})" if shown else ""
+            raise SystemExit(f"error: config {path!r} is a folder; give one YAML file in it{example}")
         if not os.path.isfile(path):
             raise SystemExit(f"error: config {path!r} does not exist")
         with open(path) as f:

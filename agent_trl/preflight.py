@@ -4,8 +4,12 @@ message naming the field."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
+import math
 import os
+import re
 import shutil
 import tempfile
 
@@ -73,6 +77,7 @@ def check_run(run: RunArguments, config, model_args) -> None:
                 problems.append(f"{role}_base_url / {role}_api_key_env: {problem}")
     if problem := hub_problem(config):
         problems.append(problem)
+    problems += field_problems(config, model_args)
     if problems:
         raise SystemExit("error: " + "; ".join(problems))
     try:  # a run that cannot save its model must not train first
@@ -91,6 +96,62 @@ def check_run(run: RunArguments, config, model_args) -> None:
             config.max_completion_length,
             config.max_turn_tokens,
         )
+
+
+#: an environment variable's name: what `*_api_key_env` holds (the key itself must never reach a config or a log)
+VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def field_problems(config, model_args) -> list[str]:
+    """Values that TRL or transformers would take silently, or fail on only after the model load: each named with
+    what to give instead. A `*_api_key_env` that is not a variable name is refused without echoing it (it is most
+    likely the key itself, which would otherwise be printed and saved in training_args.bin)."""
+    problems = []
+    temperature = getattr(config, "temperature", 1.0)
+    if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+        problems.append(f"temperature must be a finite number > 0, got {temperature} (inf samples uniformly)")
+    norm = getattr(config, "max_grad_norm", None)
+    if norm is not None and not (math.isfinite(norm) and norm >= 0):
+        problems.append(f"max_grad_norm must be a finite number >= 0 (0 turns clipping off), got {norm}")
+    strategy = getattr(config, "save_strategy", "no")
+    if str(getattr(strategy, "value", strategy)) == "steps" and config.save_steps <= 0:
+        problems.append(f"save_steps must be > 0 with save_strategy steps, got {config.save_steps}")
+    for name in ("judge_api_key_env", "analyzer_api_key_env", "editor_api_key_env"):
+        value = getattr(config, name, None)
+        if value is not None and not VARIABLE_NAME.fullmatch(value):
+            problems.append(
+                f"{name} names the environment variable that holds the key (e.g. OPENAI_API_KEY), and the value "
+                "given is not a variable name (not shown here, in case it is the key itself); export the key as a "
+                f"variable and give its name"
+            )
+    if getattr(config, "use_vllm", False) and importlib.util.find_spec("vllm") is None:
+        problems.append("use_vllm needs vLLM, which is not installed (pip install vllm, on a machine with a GPU)")
+    four, eight = getattr(model_args, "load_in_4bit", False), getattr(model_args, "load_in_8bit", False)
+    if (four or eight) and not model_args.use_peft:
+        bits = "load_in_4bit" if four else "load_in_8bit"
+        problems.append(f"{bits} trains quantized weights only through an adapter: add use_peft (QLoRA)")
+    return problems
+
+
+def context_problem(config, folder: str) -> str | None:
+    """A completion budget beyond the model's positions would run past its context (or, with a never-ending
+    environment, never end): refused at start-up, with the model's number. Unknown for a model without
+    `max_position_embeddings` in its config."""
+    path = os.path.join(os.path.expanduser(folder), "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        model_config = json.load(f)
+    positions = model_config.get("max_position_embeddings") or model_config.get("text_config", {}).get(
+        "max_position_embeddings"
+    )
+    budget = config.max_completion_length
+    if positions and budget is not None and budget >= positions:
+        return (
+            f"max_completion_length {budget:,} is not below the model's {positions:,} positions (the prompt needs "
+            "some too); give a smaller number"
+        )
+    return None
 
 
 def hub_problem(config) -> str | None:

@@ -13,12 +13,19 @@ first training step.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
+import logging
+import math
+import numbers
 from collections.abc import Callable, Sequence
 
 from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 
 from rewards.verifiers import assertion_count_reward, binary_success_reward, exact_match_reward
+
+logger = logging.getLogger(__name__)
 
 
 def _overlong(max_completion_length: int) -> Callable:
@@ -41,19 +48,80 @@ REWARD_NAMES: dict[str, Callable[[int], Callable]] = {
 }
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned something TRL cannot use; the message names the function."""
+
+
+def checked_reward(func: Callable, name: str) -> Callable:
+    """`func`, with what it returns checked before TRL turns it into a tensor: one entry per completion, each a real
+    number or None (no reward). A non-finite number (inf, -inf, nan) counts as None, with a warning, so that the
+    no-signal guard sees it instead of a step training with loss 0 on an infinite reward. Anything else, and any
+    exception inside it, stops the step with a `RewardFunctionError` naming the function. Coroutine functions (which
+    TRL awaits) are returned as they are."""
+    if inspect.iscoroutinefunction(func):
+        return func
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # a builtin or C callable: completions are then found by keyword only
+        signature = inspect.Signature()
+
+    @functools.wraps(func)
+    def reward(*args, **kwargs):
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        completions = kwargs.get("completions")
+        if completions is None and args:  # called positionally, as a user might outside TRL
+            with contextlib.suppress(TypeError, ValueError):
+                completions = signature.bind_partial(*args, **kwargs).arguments.get("completions", args[0])
+        expected = None if completions is None else len(completions)
+        if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+            raise RewardFunctionError(
+                f"reward function {name!r} returned a {type(out).__name__}; it must return a list with one number "
+                "(or None) per completion"
+            )
+        if expected is not None and len(out) != expected:
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {len(out)} values for {expected} completions; it must return one "
+                "number (or None) per completion"
+            )
+        bad = next((x for x in out if x is not None and not isinstance(x, numbers.Real)), None)
+        if bad is not None:
+            raise RewardFunctionError(
+                f"reward function {name!r} returned a {type(bad).__name__} ({bad!r:.40}) among its rewards; each "
+                "must be a number or None"
+            )
+        nonfinite = [i for i, x in enumerate(out) if x is not None and not math.isfinite(x)]
+        if nonfinite:
+            logger.warning(
+                "reward function %r returned a non-finite value (%s) for %d of %d completions: counted as no reward "
+                "(None)",
+                name,
+                out[nonfinite[0]],
+                len(nonfinite),
+                len(out),
+            )
+            out = [None if i in set(nonfinite) else x for i, x in enumerate(out)]
+        return out
+
+    return reward
+
+
 def load_reward_funcs(names: list[str], max_completion_length: int = 256) -> list[Callable]:
-    """The reward functions `names` point to; a clear error for a name that is neither known nor importable."""
+    """The reward functions `names` point to, each checked by `checked_reward` when called; a clear error for a
+    name that is neither known nor importable."""
     from envs.sources import import_object
 
     funcs = []
     for name in names:
         if name in REWARD_NAMES:
-            funcs.append(REWARD_NAMES[name](max_completion_length))
+            funcs.append(checked_reward(REWARD_NAMES[name](max_completion_length), name))
         elif "." in name or ":" in name:
             func = import_object(name, "reward_funcs entry")
             if not callable(func):
                 raise SystemExit(f"error: reward_funcs entry {name!r} is a {type(func).__name__}, not a function")
-            funcs.append(func)
+            funcs.append(checked_reward(func, name) if inspect.isfunction(func) else func)
         else:
             raise SystemExit(
                 f"error: reward_funcs entry {name!r} is unknown; use one of {sorted(REWARD_NAMES)} or an import path "
@@ -91,12 +159,20 @@ def check_reward_funcs(
         keywords = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         takes_rest = any(p.kind is p.VAR_KEYWORD for p in params)
         if not takes_rest and not passed & set(keywords):
-            what = "a class: it takes" if inspect.isclass(func) else "a factory: it takes"
-            built = "builds an object" if inspect.isclass(func) else "returns a reward function"
+            built = f"`my_reward = {short}({', '.join(f'{k}=...' for k in keywords)})`"
+            if inspect.isclass(func):
+                raise SystemExit(
+                    f"error: reward_funcs entry {name!r}: `{short}` is a class: it takes ({', '.join(keywords)}) and "
+                    f"builds an object, not rewards; build it in a file of yours, e.g. my_rewards.py: {built}, and "
+                    "pass my_rewards.my_reward"
+                )
             raise SystemExit(
-                f"error: reward_funcs entry {name!r}: `{short}` is {what} ({', '.join(keywords)}) and {built}, not "
-                f"rewards; wrap it in a file of yours, e.g. my_rewards.py: `my_reward = {short}("
-                f"{', '.join(f'{k}=...' for k in keywords)})`, and pass my_rewards.my_reward"
+                f"error: reward_funcs entry {name!r}: `{short}` takes ({', '.join(keywords)}), and TRL calls a "
+                "reward as f(prompts=..., completions=..., completion_ids=..., **columns), all as keywords, so none "
+                f"of its parameters would be given. If it is a reward, name its parameters as TRL passes them: "
+                f"def {short}(completions, **kwargs) (a completion is a list of messages, or a string for a text "
+                f"prompt). If it builds a reward (a factory), build it in a file of yours, e.g. my_rewards.py: "
+                f"{built}, and pass my_rewards.my_reward"
             )
         required = [p.name for p in params if p.default is p.empty and p.name in keywords]
         missing = next((k for k in required if k not in passed), None)

@@ -246,7 +246,7 @@ def test_bad_datasets_are_named(tmp_path, monkeypatch, name, kwargs, needle):
 
 def test_reward_names_and_import_paths(user_module):
     funcs = load_reward_funcs(["exact_match_reward", f"{user_module}.exact", "get_soft_overlong_punishment"], 40)
-    assert funcs[0] is exact_match_reward and funcs[1](["1 ", "2"], answer=["1", "3"]) == [1.0, 0.0]
+    assert funcs[0].__wrapped__ is exact_match_reward and funcs[1](["1 ", "2"], answer=["1", "3"]) == [1.0, 0.0]
     # soft overlong punishment over the run's budget: 0 up to 40 - 10 tokens, then linear down to -1 at 40
     assert funcs[2](completion_ids=[[0] * 30, [0] * 35, [0] * 41]) == [0.0, -0.5, -1.0]
     assert set(REWARD_NAMES) >= {"accuracy_reward", "think_format_reward", "exact_match_reward"}

@@ -90,10 +90,22 @@ def test_accuracy_reward_without_a_solution_column(workdir):
 
 def test_a_factory_by_import_path(workdir):
     message = start(workdir, *DATASET, "--reward_funcs", "trl.rewards.get_repetition_penalty_reward")
-    assert "`get_repetition_penalty_reward` is a factory: it takes (ngram_size, max_penalty)" in message
-    assert "returns a reward function" in message and "get_repetition_penalty_reward(ngram_size=..." in message
+    assert "`get_repetition_penalty_reward` takes (ngram_size, max_penalty)" in message
+    assert "If it builds a reward (a factory)" in message and "get_repetition_penalty_reward(ngram_size=..." in message
     message = start(workdir, *DATASET, "--reward_funcs", "tests.test_startup_checks.make_reward")
-    assert "`make_reward` is a factory: it takes (threshold)" in message
+    assert "`make_reward` takes (threshold)" in message
+
+
+def wrong_names(text):  # a reward whose parameter is not one TRL passes
+    return [0.0]
+
+
+def test_a_reward_with_parameters_trl_does_not_pass_gets_both_fixes(workdir):
+    """Issue 65: `def r(text)` is a reward with the wrong parameter names, not a factory; the message gives the
+    signature TRL calls and the factory case, without claiming which it is."""
+    message = start(workdir, *DATASET, "--reward_funcs", "tests.test_startup_checks.wrong_names")
+    assert "`wrong_names` takes (text)" in message
+    assert "def wrong_names(completions, **kwargs)" in message and "If it builds a reward (a factory)" in message
 
 
 def test_a_reward_without_kwargs(workdir):

@@ -608,7 +608,10 @@ class RoutingReplay:
         if not trainer.args.routing_replay:
             return False
         if find_routers(policy) is None:  # raises for an MoE family without a replay adapter (D12)
-            logger.info("routing_replay: %s has no MoE router; replay is a no-op", type(policy).__name__)
+            logger.warning(  # said at start-up: a dense model has no routes to replay (D3)
+                "routing_replay is on, but %s has no MoE router (a dense model): it does nothing in this run",
+                type(policy).__name__,
+            )
             return False
         if trainer.use_vllm:
             raise ValueError(

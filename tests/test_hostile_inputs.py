@@ -1,0 +1,209 @@
+"""What a hostile probe and a new user hit (issue 65), each step reproduced through `train.main` or the part it
+reaches: infinite rewards count as no reward, a reward returning the wrong thing or raising stops the run naming the
+function (with a checkpoint and summary.json once something was trained), and values TRL would take silently or fail
+on late stop at start-up naming the field."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import WORDS
+
+import train
+from rewards.loading import RewardFunctionError, checked_reward
+
+RUN = ["--per_device_train_batch_size", "4", "--num_generations", "2", "--learning_rate", "1e-3"]
+RUN += ["--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--skip_eval", "true"]
+RUN += ["--use_cpu", "true", "--bf16", "false", "--activation_checkpointing", "false", "--seed", "0"]
+RUN += ["--max_completion_length", "4"]
+
+USER_REWARDS = """
+CALLS = {"n": 0}
+
+
+def infinite(completions, **kwargs):
+    return [float("inf")] * len(completions)
+
+
+def text(completions, **kwargs):
+    return "1.0"
+
+
+def scalar(completions, **kwargs):
+    return 1.0
+
+
+def short(completions, **kwargs):
+    return [1.0]
+
+
+def third_call_raises(completions, **kwargs):
+    CALLS["n"] += 1
+    if CALLS["n"] == 3:
+        raise KeyError("answer")
+    return [float(len(c[-1]["content"])) for c in completions]
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "user_rewards.py").write_text(textwrap.dedent(USER_REWARDS))
+    rows = [{"prompt": [{"role": "user", "content": f"say {w}"}], "answer": w} for w in WORDS * 3]
+    (tmp_path / "words.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path
+
+
+def run(workdir: Path, folder: str, reward: str, steps: int) -> tuple[str, dict]:
+    """The SystemExit message of a run with `reward`, and its summary.json."""
+    out = workdir / "run"
+    argv = [
+        "--dataset_name",
+        "words.jsonl",
+        "--reward_funcs",
+        f"user_rewards.{reward}",
+        "--model_name_or_path",
+        folder,
+    ]
+    with pytest.raises(SystemExit) as err:
+        train.main(argv + ["--output_dir", str(out), "--max_steps", str(steps), *RUN])
+    return str(err.value.code), json.loads((out / "summary.json").read_text())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# rewards
+
+
+def test_checked_reward_by_hand(caplog):
+    completions = [[{"role": "assistant", "content": "a"}]] * 3
+    same = checked_reward(lambda completions, **kw: [0.5, None, 1], "ok")
+    assert same(prompts=["p"] * 3, completions=completions) == [0.5, None, 1]
+    mixed = checked_reward(lambda completions, **kw: [math.inf, 2.0, -math.inf], "mixed")
+    with caplog.at_level(logging.WARNING):
+        assert mixed(completions=completions) == [None, 2.0, None]
+    assert "'mixed' returned a non-finite value (inf) for 2 of 3 completions" in caplog.text
+    for value, needle in [("1.0", "returned a str"), (1.0, "returned a float"), ([1.0], "returned 1 values for 3")]:
+        with pytest.raises(RewardFunctionError, match=f"reward function 'bad' {needle}"):
+            checked_reward(lambda completions, v=value, **kw: v, "bad")(completions=completions)
+    with pytest.raises(RewardFunctionError, match=r"'bad' returned a str \('x'\) among its rewards"):
+        checked_reward(lambda completions, **kw: [1.0, "x", None], "bad")(completions=completions)
+
+
+def test_an_infinite_reward_is_no_reward_and_the_guard_stops_the_run(workdir, tiny_model_folder):
+    """Before: loss 0 and grad norm 0 at every step, reward inf logged, exit 0. Now every rollout is unscorable,
+    and after `unscorable_patience` (3) batches the no-signal guard stops with a checkpoint."""
+    message, summary = run(workdir, tiny_model_folder, "infinite", steps=5)
+    assert "generation batches in a row had more than" in message and "infinite" in message
+    assert summary["stopped"]["reason"] == "no reward signal" and summary["stopped"]["step"] == 2
+    fracs = [row["reward/unscorable_frac"] for row in summary["log_history"] if "reward/unscorable_frac" in row]
+    assert len(fracs) >= 2 and set(fracs) == {1.0}  # the two trained steps'; the third batch stopped the run
+    assert (workdir / "run" / "checkpoint-2").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("reward", "needle"),
+    [
+        ("text", "'user_rewards.text' returned a str"),
+        ("scalar", "'user_rewards.scalar' returned a float"),
+        ("short", "'user_rewards.short' returned 1 values for 4 completions"),
+    ],
+)
+def test_a_reward_returning_the_wrong_thing_is_named(workdir, tiny_model_folder, reward, needle):
+    message, summary = run(workdir, tiny_model_folder, reward, steps=2)
+    assert needle in message and "nothing was trained yet, so no checkpoint was saved" in message
+    assert summary["stopped"] == {"reason": "reward function error", "step": 0, "error": message[len("error: ") :]}
+
+
+def test_a_reward_that_raises_mid_run_leaves_a_checkpoint_and_a_summary(workdir, tiny_model_folder):
+    """Before: an empty output folder. Now the two trained steps are kept and the message names the function."""
+    message, summary = run(workdir, tiny_model_folder, "third_call_raises", steps=4)
+    assert "reward function 'user_rewards.third_call_raises' raised KeyError: 'answer'" in message
+    assert summary["stopped"]["step"] == 2 and "saved checkpoint-2" in message
+    checkpoint = workdir / "run" / "checkpoint-2"
+    assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "model.safetensors").is_file()
+    assert len([row for row in summary["log_history"] if "loss" in row]) == 2
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# fields taken silently or failing late, refused at start-up
+
+
+class ReachedModel(Exception):
+    pass
+
+
+@pytest.fixture
+def startup(workdir, monkeypatch):
+    """train.main up to the model load (which raises `ReachedModel`); returns its SystemExit message."""
+
+    def reached(*args, **kwargs):
+        raise ReachedModel
+
+    for name in ("AutoModelForCausalLM", "AutoTokenizer"):
+        monkeypatch.setattr(train, name, reached)
+    resolve = train.resolve_model
+    monkeypatch.setattr(train, "resolve_model", lambda name, *a: reached() if name == "tiny" else resolve(name, *a))
+
+    def start(*argv: str, model: str = "tiny") -> str:
+        base = ["--dataset_name", "words.jsonl", "--reward_funcs", "exact_match_reward", "--model_name_or_path", model]
+        with pytest.raises(SystemExit) as err:
+            train.main(base + ["--output_dir", str(workdir / "run"), *RUN, "--max_steps", "1", *argv])
+        return str(err.value.code)
+
+    return start
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--temperature", "inf"], "temperature must be a finite number > 0, got inf"),
+        (["--max_grad_norm", "-1"], "max_grad_norm must be a finite number >= 0 (0 turns clipping off), got -1.0"),
+        (["--save_strategy", "steps", "--save_steps", "0"], "save_steps must be > 0 with save_strategy steps"),
+        (["--use_vllm", "true"], "use_vllm needs vLLM, which is not installed"),
+        (["--load_in_4bit", "true"], "load_in_4bit trains quantized weights only through an adapter: add use_peft"),
+    ],
+)
+def test_silently_taken_values_stop_at_start_up(startup, argv, needle):
+    assert needle in startup(*argv)
+
+
+def test_an_api_key_in_the_key_variable_field_is_refused_unechoed(startup, capsys):
+    key = "sk-proj-abc123DEF456"
+    message = startup("--trainer", "draco", "--judge_api_key_env", key, "--judge_backend", "oracle")
+    assert "judge_api_key_env names the environment variable that holds the key" in message
+    assert key not in message and key not in capsys.readouterr().out
+
+
+def test_a_completion_budget_beyond_the_models_positions_stops(startup, tiny_model_folder):
+    positions = json.loads((Path(tiny_model_folder) / "config.json").read_text())["max_position_embeddings"]
+    message = startup("--max_completion_length", str(10**8), model=tiny_model_folder)
+    assert f"max_completion_length 100,000,000 is not below the model's {positions:,} positions" in message
+
+
+def test_a_config_folder_is_named_a_folder(workdir):
+    (workdir / "configs").mkdir()
+    (workdir / "configs" / "a.yaml").write_text("seed: 0\n")
+    with pytest.raises(SystemExit, match=r"config 'configs' is a folder; give one YAML file in it \(e.g. configs/a"):
+        train.main(["--config", "configs"])
+
+
+def test_routing_replay_on_a_dense_model_is_said_at_start_up(caplog):
+    from trainers.routing_replay import RoutingReplay
+
+    class Args:
+        routing_replay = True
+
+    class Trainer:
+        args = Args()
+
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with caplog.at_level(logging.WARNING):
+        assert RoutingReplay(Trainer()).setup(dense) is False
+    assert "routing_replay is on, but Sequential has no MoE router (a dense model): it does nothing" in caplog.text
