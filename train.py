@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from contextlib import ExitStack
@@ -170,9 +171,22 @@ def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
                 trainer.save_checkpoint(trainer.model, trial=None)
                 saved = f"saved checkpoint-{step} in {config.output_dir}; fix it, then --resume_from_checkpoint true"
             raise stopped(trainer, config, summary, "reward function error", f"{err} ({saved})") from err
+        except KeyboardInterrupt as err:  # a second signal (or Ctrl-C outside the handler): stop now, say where
+            name = stop.requested or "SIGINT"
+            step = trainer.state.global_step
+            summary["interrupted"] = {"signal": name, "step": step, "exit_status": exit_status(name), "at_once": True}
+            summary["log_history"] = trainer.state.log_history
+            if trainer.accelerator.is_main_process:
+                write_summary(os.path.join(config.output_dir, "summary.json"), summary)
+            print(
+                f"stopped at once by a second signal at step {step}: the latest complete checkpoint is the one to "
+                "resume from (--resume_from_checkpoint true skips a checkpoint left half-written)"
+            )
+            raise SystemExit(exit_status(name)) from err
     trainer.save_model(config.output_dir)
     if stop.requested is not None:
-        summary["interrupted"] = {"signal": stop.requested, "step": trainer.state.global_step}
+        status = exit_status(stop.requested)
+        summary["interrupted"] = {"signal": stop.requested, "step": trainer.state.global_step, "exit_status": status}
         summary["checkpoint"] = os.path.join(config.output_dir, f"checkpoint-{trainer.state.global_step}")
         print(
             f"stopped by {stop.requested} at step {trainer.state.global_step}; resume with --resume_from_checkpoint "
@@ -213,10 +227,19 @@ def stopped(trainer, config, summary: dict, reason: str, message: str) -> System
     return SystemExit(f"error: {message}")
 
 
+def exit_status(signal_name: str) -> int:
+    """The shell's status for a run stopped by a signal: 128 + its number (SIGINT 130, SIGTERM 143)."""
+    return 128 + int(signal.Signals[signal_name])
+
+
 def cli() -> None:
-    """The `agent-trl-train` command of the installed package: the same as `python train.py`."""
-    main()
+    """The `agent-trl-train` command of the installed package: the same as `python train.py`. A run stopped by a
+    signal (with its checkpoint and summary.json written) exits with 128 + the signal's number, as a shell reports a
+    process the signal ended, so that a scheduler can tell it from a finished run (docs/running.md)."""
+    summary = main()
     close_process_group()
+    if interrupted := summary.get("interrupted"):
+        sys.exit(interrupted["exit_status"])
 
 
 if __name__ == "__main__":

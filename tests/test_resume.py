@@ -118,11 +118,46 @@ def test_sigterm_stops_at_a_batch_boundary_with_a_checkpoint(tmp_path, monkeypat
     out = tmp_path / "run"
     summary = train.main([*BASE, *method, "--output_dir", str(out), "--skip_eval", "false", "--num_eval_tasks", "2"])
     assert signal.getsignal(signal.SIGTERM) is before
-    assert summary["interrupted"] == {"signal": "SIGTERM", "step": stops_at}
+    assert summary["interrupted"] == {"signal": "SIGTERM", "step": stops_at, "exit_status": 128 + 15}
     assert summary["checkpoint"] == str(out / f"checkpoint-{stops_at}")
     assert (out / f"checkpoint-{stops_at}" / "trainer_state.json").exists()
     assert "before" in summary and "after" not in summary
     assert max(steps_of(out)) == stops_at  # no step after the boundary
+
+
+def test_the_command_exits_with_the_signals_status(monkeypatch):
+    """A scheduler tells a stopped run from a finished one by the status: 128 + the signal's number, as a shell
+    reports it (SIGINT 2 -> 130, SIGTERM 15 -> 143); a finished run exits 0."""
+    for name, status in (("SIGINT", 130), ("SIGTERM", 143)):
+        summary = {"interrupted": {"signal": name, "exit_status": status}}
+        monkeypatch.setattr(train, "main", lambda s=summary: s)
+        with pytest.raises(SystemExit) as err:
+            train.cli()
+        assert err.value.code == status == train.exit_status(name)
+    monkeypatch.setattr(train, "main", lambda: {"after": {}})
+    assert train.cli() is None
+
+
+def test_a_second_signal_stops_at_once_with_a_summary(tmp_path, monkeypatch, capsys):
+    """Two SIGTERMs in step 1: the second stops at once (KeyboardInterrupt), and the run still writes summary.json,
+    says where to resume from, and exits 143 without a traceback."""
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
+    step_end = resume.StopOnSignal.on_step_end
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the second: stop now
+        return step_end(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(resume.StopOnSignal, "on_step_end", on_step_end)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as err:
+        train.main([*BASE, "--output_dir", str(out)])
+    assert err.value.code == 143
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] == {"signal": "SIGTERM", "step": 1, "exit_status": 143, "at_once": True}
+    assert "stopped at once by a second signal at step 1" in capsys.readouterr().out
 
 
 KILLED_RUN = """
