@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed  # noqa: 
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 from agent_trl.arguments import RunArguments  # noqa: E402
-from agent_trl.config_file import check_config_file, join_negative_numbers  # noqa: E402
+from agent_trl.config_file import check_config_file, join_negative_numbers, unknown_fields  # noqa: E402
 from agent_trl.evaluation import held_out, held_out_logs  # noqa: E402
 from agent_trl.funnel_run import run_funnel_report  # noqa: E402
 from agent_trl.preflight import check_report_to, check_run, context_problem  # noqa: E402
@@ -66,7 +66,9 @@ def parse(argv: list[str] | None = None):
     if probe.trainer not in TRAINERS:
         raise SystemExit(f"error: trainer {probe.trainer!r} is unknown; choose one of {sorted(TRAINERS)}")
     trainer_cls, config_cls = TRAINERS[probe.trainer]
-    parser = TrlParser((RunArguments, config_cls, ModelConfig))
+    if not wants_help and (unknown := unknown_fields(argv, (RunArguments, config_cls, ModelConfig))):
+        raise SystemExit("error: " + "; ".join(unknown))
+    parser = TrlParser((RunArguments, config_cls, ModelConfig), allow_abbrev=False)  # --learning_rat is not a field
     if wants_help:
         parser.parse_args(["--help"])
     try:  # the configs check their fields when built; their ValueErrors name the field

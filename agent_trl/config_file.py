@@ -73,3 +73,36 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def unknown_fields(argv: list[str], dataclasses_: tuple[type, ...]) -> list[str]:
+    """The config keys and command-line flags of `argv` that no field of `dataclasses_` takes, each with the closest
+    field names (`did you mean learning_rate?`). A prefix of a field is not taken as the field (argparse's
+    abbreviations are off in train.py), so `--learning_rat` is reported here too."""
+    import dataclasses
+    import difflib
+
+    known = {"config", "help"}
+    for cls in dataclasses_:
+        for f in dataclasses.fields(cls):
+            known.add(f.name)
+            if f.default is True:
+                known.add(f"no_{f.name}")  # HfArgumentParser's negation of a bool field that defaults to True
+    given: list[tuple[str, str]] = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            given.append((arg[2:].split("=", 1)[0], "flag --"))
+        if arg == "--config" and i + 1 < len(argv) or arg.startswith("--config="):
+            path = argv[i + 1] if arg == "--config" else arg.split("=", 1)[1]
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+            given += [(str(key), "config key ") for key in data]
+    problems = []
+    for name, kind in given:
+        if name in known:
+            continue
+        candidates = sorted(k for k in known if k.startswith("no_") == name.startswith("no_"))
+        close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.75)
+        hint = f"; did you mean {' or '.join(close)}?" if close else "; `python train.py --help` lists every field"
+        problems.append(f"{kind}{name} is not a field of this trainer{hint}")
+    return problems

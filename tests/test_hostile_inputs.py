@@ -207,3 +207,35 @@ def test_routing_replay_on_a_dense_model_is_said_at_start_up(caplog):
     with caplog.at_level(logging.WARNING):
         assert RoutingReplay(Trainer()).setup(dense) is False
     assert "routing_replay is on, but Sequential has no MoE router (a dense model): it does nothing" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("argv", "config", "needle"),
+    [
+        (
+            ["--learnin_rate", "0.1"],
+            None,
+            "flag --learnin_rate is not a field of this trainer; did you mean learning_rate?",
+        ),
+        (
+            ["--learning_rat", "0.1"],
+            None,
+            "flag --learning_rat is not a field of this trainer; did you mean learning_rate?",
+        ),
+        (
+            [],
+            "learnin_rate: 0.1\n",
+            "config key learnin_rate is not a field of this trainer; did you mean learning_rate?",
+        ),
+        (["--zzz_qqq", "1"], None, "flag --zzz_qqq is not a field of this trainer; `python train.py --help` lists"),
+    ],
+)
+def test_a_misspelled_field_gets_the_closest_name_and_a_prefix_is_not_taken(workdir, argv, config, needle):
+    """Before: TRL's developer-facing text ("add them to the dataclass, or set fail_with_unknown_args=False"), and
+    `--learning_rat` silently taken as `--learning_rate` (argparse's abbreviations)."""
+    if config is not None:
+        (workdir / "c.yaml").write_text(config)
+        argv = ["--config", "c.yaml", *argv]
+    with pytest.raises(SystemExit) as err:
+        train.parse(argv)
+    assert needle in str(err.value.code)
