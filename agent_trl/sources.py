@@ -34,6 +34,23 @@ class Sources:
     environment_kwargs: dict | None = None  # as parsed from the config
 
 
+def empty_prompts(prompts) -> list[int]:
+    """Indices of prompts with no text: an empty or blank string, or a chat whose messages are all blank.
+
+    >>> empty_prompts(["a", " ", [{"role": "user", "content": ""}], [{"role": "user", "content": "b"}], None])
+    [1, 2, 4]
+    """
+
+    def text(prompt) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list):
+            return "".join(str(m.get("content") or "") for m in prompt if isinstance(m, dict))
+        return ""
+
+    return [i for i, prompt in enumerate(prompts) if not text(prompt).strip()]
+
+
 def audit_filter(tasks: list[dict], folder: str, keep_unaudited: bool = False) -> tuple[list[tuple[int, dict]], dict]:
     """The training tasks the task audit accepted (t1.md §4.6): matched by `task_id` with the records of
     `python -m rewards.audit --out FOLDER`; an accepted record's task replaces the row's (a repair changes only the
@@ -173,6 +190,14 @@ def _resolve_sources(run: RunArguments, config) -> Sources:
                 f"{train.column_names if 'train' in missing else test.column_names}); rename the column that holds "
                 "the prompt, as TRL expects"
             )
+        for name, split in (("train", train), ("test", test)):
+            if empty := empty_prompts(split["prompt"]):
+                shown = ", ".join(str(i) for i in empty[:5]) + (", ..." if len(empty) > 5 else "")
+                raise SystemExit(
+                    f"error: dataset_name {run.dataset_name!r}: {len(empty)} of {len(split)} rows of the {name} split "
+                    f"have an empty prompt (rows {shown}); a model has nothing to answer there. Drop those rows or "
+                    "fill their prompt"
+                )
         return Sources(None, train, list(test), reward_funcs, described)
     train_tasks = [row_task(row) for row in train]
     audit = None

@@ -239,3 +239,15 @@ def test_a_misspelled_field_gets_the_closest_name_and_a_prefix_is_not_taken(work
     with pytest.raises(SystemExit) as err:
         train.parse(argv)
     assert needle in str(err.value.code)
+
+
+def test_a_dataset_with_empty_prompts_stops_at_start_up(workdir, startup):
+    """Before: `KeyError: 'text'` from the tiny build's SFT (one empty prompt), `IndexError` after a step (all)."""
+    (workdir / "data").mkdir()
+    rows = [{"prompt": f"say {w}", "answer": w} for w in WORDS]
+    rows[3] = {"prompt": "", "answer": "x"}
+    rows[6] = {"prompt": [{"role": "user", "content": "  "}], "answer": "y"}
+    (workdir / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (workdir / "data" / "test.jsonl").write_text(json.dumps({"prompt": "say a", "answer": "a"}) + "\n")
+    message = startup("--dataset_name", "data")
+    assert f"2 of {len(WORDS)} rows of the train split have an empty prompt (rows 3, 6)" in message
