@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import signal
+import struct
+import zipfile
 
 import torch
 from transformers import TrainerCallback
@@ -48,12 +50,12 @@ def resume_checkpoint(config) -> str | None:
         return None
     if str(value).lower() == "true":
         found = checkpoints(config.output_dir)
-        complete = [p for p in found if checkpoint_complete(p)]
+        problems = {path: checkpoint_problem(path) for path in found}
+        complete = [p for p in found if problems[p] is None]
         for path in found:
-            if path not in complete:
+            if problems[path] is not None:
                 logger.warning(
-                    "resume_from_checkpoint: skipping %s, an incomplete checkpoint (no readable trainer_state.json)",
-                    path,
+                    "resume_from_checkpoint: skipping %s, an incomplete checkpoint (%s)", path, problems[path]
                 )
         if not complete:
             raise SystemExit(
@@ -64,11 +66,44 @@ def resume_checkpoint(config) -> str | None:
     path = os.path.expanduser(str(value))
     if not os.path.isdir(path):
         raise SystemExit(f"error: resume_from_checkpoint {value!r} is not a folder")
-    if not checkpoint_complete(path):
-        raise SystemExit(
-            f"error: resume_from_checkpoint {value!r} is not a complete checkpoint (no readable trainer_state.json)"
-        )
+    if (problem := checkpoint_problem(path)) is not None:
+        raise SystemExit(f"error: resume_from_checkpoint {value!r} is not a complete checkpoint ({problem})")
     return path
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why a checkpoint folder cannot be resumed from, or None: trainer_state.json (which the trainer writes last)
+    missing or cut short, or a weights or state file that is not whole: a safetensors file whose header does not
+    parse or whose size is not the header's length plus its tensors' bytes, a torch file (`.pt`, `.bin`) that is not a
+    readable zip archive (torch saves zips; a cut or overwritten one loses its central directory)."""
+    if not checkpoint_complete(path):
+        return "no readable trainer_state.json"
+    for name in sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        if name.endswith(".safetensors") and (problem := safetensors_problem(file)):
+            return f"{name} {problem}"
+        if name.endswith((".pt", ".bin")) and not zipfile.is_zipfile(file):
+            return f"{name} is not a readable torch file (cut short or overwritten)"
+    return None
+
+
+def safetensors_problem(file: str) -> str | None:
+    """Whether a safetensors file is whole: 8 bytes of header length, the JSON header, then the tensors' bytes up to
+    the largest end offset the header gives, and nothing missing."""
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size:
+                return f"has a header length ({length:,}) beyond the file's {size:,} bytes"
+            header = json.loads(f.read(length))
+    except (struct.error, ValueError, UnicodeDecodeError):
+        return "has no readable header"
+    ends = [t["data_offsets"][1] for key, t in header.items() if key != "__metadata__"]
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        return f"holds {size:,} bytes where its header describes {expected:,} (cut short or overwritten)"
+    return None
 
 
 def checkpoint_complete(path: str) -> bool:

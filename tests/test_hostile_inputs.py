@@ -251,3 +251,43 @@ def test_a_dataset_with_empty_prompts_stops_at_start_up(workdir, startup):
     (workdir / "data" / "test.jsonl").write_text(json.dumps({"prompt": "say a", "answer": "a"}) + "\n")
     message = startup("--dataset_name", "data")
     assert f"2 of {len(WORDS)} rows of the train split have an empty prompt (rows 3, 6)" in message
+
+
+def fake_checkpoint(folder: Path) -> Path:
+    """A checkpoint folder as the trainer writes one: weights, optimizer state, trainer_state.json last."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file({"w": torch.ones(64, 64), "b": torch.zeros(64)}, str(folder / "model.safetensors"))
+    torch.save({"state": {0: torch.ones(8)}}, folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": int(folder.name.split("-")[1])}))
+    return folder
+
+
+def test_resume_skips_a_checkpoint_with_a_corrupt_weights_file(tmp_path, caplog):
+    """Before: a safetensors traceback from the latest checkpoint (a readable trainer_state.json beside a cut
+    model.safetensors). Now `true` falls back to the previous complete checkpoint, and a named one is refused with
+    the file and its sizes."""
+    from types import SimpleNamespace
+
+    from agent_trl.resume import resume_checkpoint
+
+    older, latest = fake_checkpoint(tmp_path / "checkpoint-2"), fake_checkpoint(tmp_path / "checkpoint-4")
+    weights = latest / "model.safetensors"
+    whole = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(whole - 100)
+    config = SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint="true", save_strategy="no")
+    config.__dict__.update(steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1, save_steps=1)
+    with caplog.at_level(logging.WARNING):
+        assert resume_checkpoint(config) == str(older)
+    cut = f"model.safetensors holds {whole - 100:,} bytes where its header describes {whole:,}"
+    assert f"skipping {latest}, an incomplete checkpoint ({cut}" in caplog.text
+    config.resume_from_checkpoint = str(latest)
+    with pytest.raises(SystemExit, match=r"is not a complete checkpoint \(model.safetensors holds"):
+        resume_checkpoint(config)
+    (older / "optimizer.pt").write_bytes(b"not a zip")  # an overwritten optimizer state: no checkpoint is left
+    config.resume_from_checkpoint = "true"
+    with pytest.raises(SystemExit, match="holds no complete checkpoint-N folder"):
+        resume_checkpoint(config)
+    assert "optimizer.pt is not a readable torch file" in caplog.text
