@@ -291,3 +291,18 @@ def test_resume_skips_a_checkpoint_with_a_corrupt_weights_file(tmp_path, caplog)
     with pytest.raises(SystemExit, match="holds no complete checkpoint-N folder"):
         resume_checkpoint(config)
     assert "optimizer.pt is not a readable torch file" in caplog.text
+
+
+def test_curves_of_a_one_point_run_show_the_point(tmp_path):
+    """Before: a run that logged once drew empty panels (a line needs two points). The point is now a marker: pixels
+    of the training line's colour (matplotlib's first, #1f77b4) are on the image."""
+    import matplotlib.image
+
+    from trainers.reporting import plot_curves
+
+    log = [{"step": 1, "reward": 0.5, "loss": 0.1, "env/success": 0.5}]
+    path = plot_curves(log, tmp_path / "curves.png", rollouts_per_step=8)
+    pixels = matplotlib.image.imread(path)[..., :3]
+    blue = torch.tensor([0x1F, 0x77, 0xB4]) / 255
+    near = (torch.as_tensor(pixels) - blue).abs().max(dim=-1).values < 0.05
+    assert int(near.sum()) >= 10

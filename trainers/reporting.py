@@ -61,7 +61,8 @@ def plot_curves(
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False)
     for ax, (key, name) in zip(axes[0], panels, strict=True):
         points = series(log_history, key, scale)
-        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, label="training")
+        marker = "o" if len(points) < 3 else None  # a short run's one or two points would draw no visible line
+        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, marker=marker, ms=4, label="training")
         if key == marked and held_out:
             xs = {"before": 0, "after": last_x}
             for when, value in held_out.items():
