@@ -133,7 +133,11 @@ def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
     if sources.audit is not None:
         summary["audit_filter"] = sources.audit
     summary["adapter"], summary["versions"] = adapter_settings(model_args), versions()
-    if not run.skip_eval:
+    stored = stored_before(config.output_dir, summary) if checkpoint is not None and not run.skip_eval else None
+    if stored is not None:  # a resumed run: the interrupted run measured the same start on the same tasks
+        summary["before"] = stored
+        print(f"held-out success before RL (measured by the interrupted run, summary.json): {json.dumps(stored)}")
+    elif not run.skip_eval:
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32)
         set_seed(config.seed)  # reproducible sampled held-out episodes; the trainer seeds again before RL
         summary["before"] = held_out(model, tokenizer, sources, run, config)
@@ -218,6 +222,20 @@ def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
             held_out={k: summary[k]["sampled"]["success" if env else "reward"] for k in summary if k in HELD_OUT},
         )
     return summary
+
+
+def stored_before(output_dir: str, summary: dict) -> dict | None:
+    """The held-out evaluation before RL that an interrupted run of the same settings (run fields, model, data) wrote
+    in output_dir's summary.json; None when there is none or the settings differ (it is then measured again)."""
+    try:
+        with open(os.path.join(output_dir, "summary.json")) as f:
+            previous = json.load(f)
+    except (OSError, ValueError):
+        return None
+    same = all(
+        previous.get(key) == json.loads(json.dumps(summary[key], default=str)) for key in ("run", "model", "data")
+    )
+    return previous.get("before") if same else None
 
 
 def stopped(trainer, config, summary: dict, reason: str, message: str) -> SystemExit:

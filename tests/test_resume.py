@@ -208,3 +208,27 @@ def test_kill_9_while_saving_then_resume_logs_what_the_uninterrupted_run_logged(
         assert set(keys) <= set(after[step])  # alarms included: the monitors' memory came back with the checkpoint
         for key in keys:
             assert after[step][key] == pytest.approx(before[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+def test_resuming_reuses_the_stored_start_and_loads_the_tied_head_quietly(tmp_path, monkeypatch, capsys, caplog):
+    """Issue 65: a resumed run measured the held-out start again (minutes on a real model), and transformers said
+    "There were missing keys in the checkpoint model loaded: ['lm_head.weight']" for the tiny model, whose head is
+    tied to its embeddings and saved once. Now the interrupted run's stored start is reused and the message is gone."""
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    evaluated = []
+    held_out = train.held_out
+    monkeypatch.setattr(train, "held_out", lambda *a, **k: evaluated.append(1) or held_out(*a, **k))
+    first = [*BASE, *SAVE, "--output_dir", str(out), "--skip_eval", "false", "--num_eval_tasks", "2"]
+    start = train.main([*first, "--max_steps", "2"])["before"]
+    assert len(evaluated) == 2  # before and after
+    with caplog.at_level("WARNING"):
+        resumed = train.main([*first, "--max_steps", "4", "--resume_from_checkpoint", "true"])
+    assert len(evaluated) == 3  # after only
+    assert resumed["before"] == start and "measured by the interrupted run" in capsys.readouterr().out
+    assert not any("missing keys" in r.getMessage() for r in caplog.records)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)  # the premise: a model whose head is its embeddings
+    assert model.config.tie_word_embeddings
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight

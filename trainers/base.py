@@ -44,10 +44,12 @@ Logged metrics (besides TRL's), every generation batch, over all processes:
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field, fields
@@ -745,7 +747,13 @@ class AgentGRPOTrainer(TRLSeams):
         super().save_checkpoint(model, trial)
 
     def load_checkpoint(self, resume_from_checkpoint, model=None):
-        super().load_checkpoint(resume_from_checkpoint, model)
+        quiet = TiedKeysFilter(model if model is not None else self.model)  # a tied lm_head is not saved, by design
+        trainer_logger = logging.getLogger("transformers.trainer")
+        trainer_logger.addFilter(quiet)
+        try:
+            super().load_checkpoint(resume_from_checkpoint, model)
+        finally:
+            trainer_logger.removeFilter(quiet)
         path = os.path.join(resume_from_checkpoint, MONITOR_STATE)
         if os.path.isfile(path):  # absent in checkpoints written before it existed: the monitors start afresh
             with open(path) as f:
@@ -923,6 +931,29 @@ class AgentGRPOTrainer(TRLSeams):
             f"training on nothing ({saved}); fix the reward source and resume with --resume_from_checkpoint true. "
             "max_unscorable_frac and unscorable_patience set this guard"
         )
+
+
+class TiedKeysFilter(logging.Filter):
+    """Drops transformers' "There were missing keys in the checkpoint model loaded: [...]" when every missing key is
+    a parameter tied to another (the tied `lm_head.weight` of a model with tied embeddings, which safetensors saves
+    once): the load is complete, and the message would read as a broken checkpoint. Any other missing key is kept."""
+
+    PREFIX = "There were missing keys in the checkpoint model loaded: "
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        self.tied = {name for name, p in model.named_parameters(remove_duplicate=False) if counts[id(p)] > 1}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX):
+            return True
+        try:
+            missing = ast.literal_eval(message[len(self.PREFIX) :].rstrip("."))
+        except (ValueError, SyntaxError):
+            return True
+        return not (missing and set(missing) <= self.tied)
 
 
 def reward_function(args: AgentGRPOConfig) -> Callable:
