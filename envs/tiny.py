@@ -450,7 +450,18 @@ def build_and_save(spec: TinySpec, tokenizer, demos: list, folder: Path) -> None
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
         if demos:
-            model = sft(model, tokenizer, demos, spec, output_dir=os.path.join(tmp, "sft"))
+            print(
+                f"building the tiny default once: {spec.sft_steps} SFT steps on {len(demos)} demonstrations (the bar "
+                f"below), then cached in {folder}",
+                flush=True,
+            )
+            try:
+                model = sft(model, tokenizer, demos, spec, output_dir=os.path.join(tmp, "sft"))
+            except KeyboardInterrupt:
+                raise SystemExit(
+                    "interrupted while building the tiny default: nothing was cached (a build is moved into the "
+                    "cache only when it is complete); run the same command again to build it"
+                ) from None
         staging = Path(tmp) / "model"
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)

@@ -317,3 +317,19 @@ def test_a_textarena_game_without_an_expert_points_to_the_real_model(tmp_path, m
     message = str(err.value.code)
     assert "has none" in message and "--model_name_or_path smollm2" in message
     assert "give your class an expert" not in message
+
+
+def test_the_tiny_build_says_what_it_builds_and_a_ctrl_c_leaves_the_cache_clean(tmp_path, monkeypatch, capsys):
+    from envs import tiny
+
+    monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path / "cache"))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiny, "sft", interrupted)
+    with pytest.raises(SystemExit, match="interrupted while building the tiny default: nothing was cached"):
+        tiny.tiny_model("tiny:shop", sft_steps=7, num_demos=16)
+    assert "building the tiny default once: 7 SFT steps on 16 demonstrations" in capsys.readouterr().out
+    cached = tmp_path / "cache" / "tiny"
+    assert not cached.exists() or not any(cached.iterdir())  # no folder, not even the staging one
