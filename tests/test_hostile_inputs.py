@@ -333,3 +333,43 @@ def test_the_tiny_build_says_what_it_builds_and_a_ctrl_c_leaves_the_cache_clean(
     assert "building the tiny default once: 7 SFT steps on 16 demonstrations" in capsys.readouterr().out
     cached = tmp_path / "cache" / "tiny"
     assert not cached.exists() or not any(cached.iterdir())  # no folder, not even the staging one
+
+
+def test_cut_environment_steps_are_counted_while_their_threads_run(caplog):
+    """An environment step that loops forever is cut by env_timeout, but its thread cannot be killed: the warning now
+    counts the abandoned threads still running, across calls, and forgets those that returned."""
+    import threading
+
+    from trainers import agent_loop
+
+    release = threading.Event()
+
+    class Hangs:
+        def __init__(self, until=release):
+            self.until = until
+
+        def step(self, action):
+            self.until.wait(30)
+            return "", 0.0, True, {}
+
+    class Quick:
+        def step(self, action):
+            return "ok", 1.0, True, {}
+
+    agent_loop.ABANDONED.clear()
+    with caplog.at_level(logging.WARNING, logger="trainers.agent_loop"):
+        first = agent_loop.step_all([Hangs(), Quick()], ["a", "b"], timeout=0.2)
+        agent_loop.step_all([Hangs()], ["a"], timeout=0.2)
+    assert first[0][3] == {"env_timeout": True} and first[1][0] == "ok"
+    messages = [r.getMessage() for r in caplog.records]
+    assert "1 environment step(s) ran past env_timeout (0.2s) and were cut; 1 abandoned" in messages[0]
+    assert "1 environment step(s) ran past env_timeout (0.2s) and were cut; 2 abandoned" in messages[1]
+    release.set()  # the hung steps return: they are no longer counted
+    for thread in list(agent_loop.ABANDONED):
+        thread.join(5)
+    caplog.clear()
+    later = threading.Event()
+    with caplog.at_level(logging.WARNING, logger="trainers.agent_loop"):
+        agent_loop.step_all([Hangs(later)], ["a"], timeout=0.2)
+    assert "; 1 abandoned step thread(s)" in caplog.records[0].getMessage()  # the two that returned are forgotten
+    later.set()

@@ -38,6 +38,7 @@ import contextlib
 import copy
 import itertools
 import json
+import logging
 import queue
 import threading
 import time
@@ -55,6 +56,8 @@ from trainers.trl_api import (
     unwrap_model_for_generation,
     weights_sharded,
 )
+
+logger = logging.getLogger(__name__)
 
 # A generation backend: (contexts, max_new_tokens) -> one (sampled ids, sampling log-probs) pair per context, or one
 # (sampled ids, sampling log-probs, routes) triple when it records MoE routes: routes (len(context) + len(ids) - 1,
@@ -173,8 +176,24 @@ def step_all(
     deadline = time.monotonic() + timeout
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
+    if stuck := [t for t in threads if t.is_alive()]:
+        ABANDONED.update(stuck)
+        running = [t for t in ABANDONED if t.is_alive()]
+        ABANDONED.intersection_update(running)
+        logger.warning(
+            "%d environment step(s) ran past env_timeout (%gs) and were cut; %d abandoned step thread(s) of this "
+            "process are still running, holding CPU and memory until they return (a step that never returns is a "
+            "bug in the environment)",
+            len(stuck),
+            timeout,
+            len(running),
+        )
     expired = (f"error: environment step timed out after {timeout:g}s", 0.0, True, {"env_timeout": True})
     return [r if r is not None else expired for r in results]
+
+
+#: step threads `step_all` gave up on that may still run: counted in its warning
+ABANDONED: set[threading.Thread] = set()
 
 
 def play(
