@@ -76,6 +76,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+import httpx
 import openai
 import pydantic
 
@@ -139,6 +140,13 @@ class JudgeConfig:
         default=1, metadata={"help": "Re-asks with the validation error after an invalid answer, then None."}
     )
     cache_path: str | None = field(default=None, metadata={"help": "sqlite3 file of cached answers; None: no cache."})
+    max_answer_bytes: int = field(
+        default=4 * 2**20,
+        metadata={
+            "help": "Largest response body accepted (4 MiB); a larger one is a failed call (`too_large`), not read "
+            "when the server states its length."
+        },
+    )
     price_input_per_mtok: float = field(default=0.0, metadata={"help": "USD per million prompt tokens (Eq. 11)."})
     price_cached_per_mtok: float | None = field(
         default=None, metadata={"help": "USD per million cached prompt tokens; None: the prompt price."}
@@ -423,8 +431,17 @@ def parse_retry_after(headers: Mapping[str, str] | None) -> float | None:
     return None
 
 
+class AnswerTooLarge(Exception):
+    """A response body beyond `JudgeConfig.max_answer_bytes` (found from its Content-Length, before it is read)."""
+
+
 def classify_error(err: BaseException) -> tuple[str, bool, float | None]:
     """Map an exception from a request to (reason, retryable, retry-after seconds)."""
+    cause = err
+    while cause is not None:  # the openai client wraps what the HTTP layer raised
+        if isinstance(cause, AnswerTooLarge):
+            return "too_large", False, None
+        cause = cause.__cause__ or cause.__context__
     if isinstance(err, TimeoutError | openai.APITimeoutError):
         return "timeout", True, None
     if isinstance(err, openai.APIConnectionError | ConnectionError | EOFError):  # includes truncated bodies
@@ -900,8 +917,20 @@ class Judge(BaseJudge):
                 logger.warning(
                     "environment variable %s is not set; sending a placeholder API key", self.config.api_key_env
                 )
+            most = self.config.max_answer_bytes
+
+            async def refuse_large(response: httpx.Response) -> None:  # before the body is read
+                length = response.headers.get("content-length")
+                if length is not None and length.isdigit() and int(length) > most:
+                    await response.aclose()
+                    raise AnswerTooLarge(f"the response body is {int(length):,} bytes, over max_answer_bytes {most:,}")
+
             self._client = openai.AsyncOpenAI(
-                api_key=api_key or "EMPTY", base_url=self.config.base_url, timeout=self.config.timeout, max_retries=0
+                api_key=api_key or "EMPTY",
+                base_url=self.config.base_url,
+                timeout=self.config.timeout,
+                max_retries=0,
+                http_client=httpx.AsyncClient(timeout=self.config.timeout, event_hooks={"response": [refuse_large]}),
             )
             self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
         return self._client, self._semaphore
@@ -951,6 +980,10 @@ class Judge(BaseJudge):
                 continue
             text = response.choices[0].message.content
             self._account(response.usage, messages, text or "")
+            if len((text or "").encode()) > c.max_answer_bytes:  # a body sent without its length, read whole
+                self.stats.add("failures/too_large")
+                logger.warning("judge %s: an answer over max_answer_bytes (%d); dropped", c.model, c.max_answer_bytes)
+                return None
             return text or ""
         return None
 
