@@ -45,7 +45,7 @@ from envs.adapters import is_adapter_spec  # noqa: E402
 from envs.sources import load_environment  # noqa: E402
 from rewards.loading import RewardFunctionError  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
-from trainers.base import NoRewardSignal  # noqa: E402
+from trainers.base import DiskFull, NoRewardSignal, disk_full_named  # noqa: E402
 from trainers.reporting import plot_curves, speed, write_summary  # noqa: E402
 
 HELD_OUT = ("before", "after")
@@ -177,6 +177,8 @@ def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
                 trainer.save_checkpoint(trainer.model, trial=None)
                 saved = f"saved checkpoint-{step} in {config.output_dir}; fix it, then --resume_from_checkpoint true"
             raise stopped(trainer, config, summary, "reward function error", f"{err} ({saved})") from err
+        except DiskFull as err:  # a checkpoint write ran out of space: no summary can be written either
+            raise SystemExit(f"error: {err}") from err
         except KeyboardInterrupt as err:  # a second signal (or Ctrl-C outside the handler): stop now, say where
             name = stop.requested or "SIGINT"
             step = trainer.state.global_step
@@ -189,7 +191,11 @@ def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
                 "resume from (--resume_from_checkpoint true skips a checkpoint left half-written)"
             )
             raise SystemExit(exit_status(name)) from err
-    trainer.save_model(config.output_dir)
+    try:
+        with disk_full_named(config.output_dir):
+            trainer.save_model(config.output_dir)
+    except DiskFull as err:
+        raise SystemExit(f"error: {err}") from err
     if stop.requested is not None:
         status = exit_status(stop.requested)
         summary["interrupted"] = {"signal": stop.requested, "step": trainer.state.global_step, "exit_status": status}

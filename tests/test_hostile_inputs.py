@@ -373,3 +373,28 @@ def test_cut_environment_steps_are_counted_while_their_threads_run(caplog):
         agent_loop.step_all([Hangs(later)], ["a"], timeout=0.2)
     assert "; 1 abandoned step thread(s)" in caplog.records[0].getMessage()  # the two that returned are forgotten
     later.set()
+
+
+def test_a_full_disk_while_saving_says_so(tmp_path, monkeypatch):
+    """Before: torch's "unexpected pos 472448 vs 472336", which never mentions the disk. The same failure on a disk
+    with almost nothing free now names the disk, the folder left incomplete and how to resume."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from trainers import base
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 2**20, 2**20))
+    folder = str(tmp_path / "checkpoint-3")
+    with pytest.raises(base.DiskFull, match=r"checkpoint-3 failed: the disk holding it is full \(1 MiB free"):
+        with base.disk_full_named(folder):
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 472448 vs 472336")
+    with pytest.raises(base.DiskFull, match="resume with --resume_from_checkpoint true"):
+        with base.disk_full_named(folder):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
+    with pytest.raises(RuntimeError, match="unexpected pos") as err:  # plenty of space: not put down to the disk
+        with base.disk_full_named(folder):
+            raise RuntimeError("unexpected pos 1 vs 2")
+    assert not isinstance(err.value, base.DiskFull)

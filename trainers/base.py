@@ -45,10 +45,13 @@ Logged metrics (besides TRL's), every generation batch, over all processes:
 from __future__ import annotations
 
 import ast
+import contextlib
+import errno
 import functools
 import json
 import logging
 import os
+import shutil
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
@@ -740,11 +743,12 @@ class AgentGRPOTrainer(TRLSeams):
         """Write agent_state.json first: the trainer writes trainer_state.json last, and a checkpoint without it is
         incomplete, so a complete checkpoint always has both."""
         folder = self.checkpoint_folder(trial)
-        if self.args.should_save:
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, MONITOR_STATE), "w") as f:
-                json.dump(self.monitor_state(), f)
-        super().save_checkpoint(model, trial)
+        with disk_full_named(folder):
+            if self.args.should_save:
+                os.makedirs(folder, exist_ok=True)
+                with open(os.path.join(folder, MONITOR_STATE), "w") as f:
+                    json.dump(self.monitor_state(), f)
+            super().save_checkpoint(model, trial)
 
     def load_checkpoint(self, resume_from_checkpoint, model=None):
         quiet = TiedKeysFilter(model if model is not None else self.model)  # a tied lm_head is not saved, by design
@@ -931,6 +935,36 @@ class AgentGRPOTrainer(TRLSeams):
             f"training on nothing ({saved}); fix the reward source and resume with --resume_from_checkpoint true. "
             "max_unscorable_frac and unscorable_patience set this guard"
         )
+
+
+#: below this much free space, a failed write is put down to a full disk (torch's own message never says so)
+DISK_FULL_BYTES = 64 * 2**20
+
+
+@contextlib.contextmanager
+def disk_full_named(folder: str):
+    """Turn a write that failed for lack of space into an error that says so: ENOSPC or EDQUOT, or torch's
+    "unexpected pos ..." / "PytorchStreamWriter failed" when the disk holding `folder` has less than
+    `DISK_FULL_BYTES` free. Anything else passes through unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+        probe = folder
+        while probe and not os.path.isdir(probe):
+            probe = os.path.dirname(probe)
+        free = shutil.disk_usage(probe or ".").free
+        if not full and not free < DISK_FULL_BYTES:
+            raise
+        raise DiskFull(
+            f"writing {folder} failed: the disk holding it is full ({free / 2**20:.0f} MiB free; the write stopped "
+            f"with {type(err).__name__}: {str(err)[:120]}). The folder is incomplete, and resuming skips it; free "
+            "some space (or point output_dir at a larger disk) and resume with --resume_from_checkpoint true"
+        ) from err
+
+
+class DiskFull(OSError):
+    """A checkpoint or model write failed because the disk is full; the message says what to do."""
 
 
 class TiedKeysFilter(logging.Filter):
