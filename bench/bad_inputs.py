@@ -206,7 +206,47 @@ CASES = [
     ),
     Case("draco judge_votes 0", "judge_votes", "trainer: draco\njudge_votes: 0\n"),
     Case("alignopsd unknown pi", "alignopsd_pi", "trainer: alignopsd\nalignopsd_pi: bogus\n"),
+    # issue 65: values TRL takes silently or fails on late, and what a new user types
+    Case("temperature inf", "temperature", "temperature: .inf\n"),
+    Case("max_grad_norm negative", "max_grad_norm", "max_grad_norm: -1\n"),
+    Case("save_steps 0", "save_steps", "save_strategy: steps\nsave_steps: 0\n"),
+    Case("use_vllm without vLLM", "use_vllm", "use_vllm: true\n"),
+    Case("4-bit without LoRA", "load_in_4bit", "load_in_4bit: true\n"),
+    Case(
+        "API key pasted as judge_api_key_env",
+        "judge_api_key_env",
+        "trainer: draco\njudge_backend: oracle\njudge_api_key_env: sk-proj-abc123DEF456\n",
+    ),
+    Case("misspelled flag", "did you mean learning_rate", args=("--learnin_rate", "0.1")),
+    Case("a prefix of a flag", "did you mean learning_rate", args=("--learning_rat", "0.1")),
+    Case("config is a folder", "is a folder", base="", args=("--config", "{tmp}")),
+    Case(
+        "dataset with an empty prompt",
+        "empty prompt",
+        "dataset_name: {tmp}/empty_prompt.jsonl\nreward_funcs: [exact_match_reward]\n",
+        base=NO_ENV,
+        setup="empty_prompt_dataset",
+    ),
+    Case(
+        "completion budget beyond the model",
+        "max_completion_length",
+        "model_name_or_path: {tmp}/short_model\nmax_completion_length: 100000000\nmax_turns: 1000000000\n",
+        base=BASE.replace("model_name_or_path: tiny:shop\n", ""),
+        setup="short_model",
+    ),
 ]
+
+
+def empty_prompt_dataset(tmp: Path) -> None:
+    (tmp / "empty_prompt.jsonl").write_text(
+        '{"prompt": "1+1=", "answer": "2"}\n' * 7 + '{"prompt": "", "answer": "0"}\n'
+    )
+
+
+def short_model(tmp: Path) -> None:
+    """A model folder whose config gives 1,024 positions (nothing loads it: start-up reads config.json)."""
+    (tmp / "short_model").mkdir()
+    (tmp / "short_model" / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 1024}')
 
 
 def no_prompt_dataset(tmp: Path) -> None:
