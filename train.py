@@ -45,6 +45,7 @@ from envs.adapters import is_adapter_spec  # noqa: E402
 from envs.sources import load_environment  # noqa: E402
 from rewards.loading import RewardFunctionError  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
+from trainers.agent_loop import EnvironmentFailure  # noqa: E402
 from trainers.base import DiskFull, NoRewardSignal, disk_full_named  # noqa: E402
 from trainers.reporting import plot_curves, speed, write_summary  # noqa: E402
 
@@ -171,12 +172,13 @@ def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
             trainer.train(resume_from_checkpoint=checkpoint)
         except NoRewardSignal as err:  # the trainer saved a checkpoint; keep the summary so far, then stop loudly
             raise stopped(trainer, config, summary, "no reward signal", str(err)) from err
-        except RewardFunctionError as err:  # a user's reward broke mid-run: keep what was trained, name the function
-            saved = "nothing was trained yet, so no checkpoint was saved"
+        except (RewardFunctionError, EnvironmentFailure) as err:  # a user's reward or environment broke: keep what
+            saved = "nothing was trained yet, so no checkpoint was saved"  # was trained, and name it
             if (step := trainer.state.global_step) > 0:
                 trainer.save_checkpoint(trainer.model, trial=None)
                 saved = f"saved checkpoint-{step} in {config.output_dir}; fix it, then --resume_from_checkpoint true"
-            raise stopped(trainer, config, summary, "reward function error", f"{err} ({saved})") from err
+            reason = "reward function error" if isinstance(err, RewardFunctionError) else "environment error"
+            raise stopped(trainer, config, summary, reason, f"{err} ({saved})") from err
         except DiskFull as err:  # a checkpoint write ran out of space: no summary can be written either
             raise SystemExit(f"error: {err}") from err
         except KeyboardInterrupt as err:  # a second signal (or Ctrl-C outside the handler): stop now, say where

@@ -398,3 +398,23 @@ def test_a_full_disk_while_saving_says_so(tmp_path, monkeypatch):
         with base.disk_full_named(folder):
             raise RuntimeError("unexpected pos 1 vs 2")
     assert not isinstance(err.value, base.DiskFull)
+
+
+def test_an_environment_whose_reset_raises_is_named_with_its_task():
+    """A reset that raises stops the batch with the class and the task named (train.py then saves a checkpoint and
+    summary.json as for a reward that raises, above); a step that raises only ends its episode."""
+    from trainers.agent_loop import EnvironmentFailure, reset_all
+
+    class Fine:
+        def reset(self, task):
+            return "go"
+
+    class Broken:
+        def reset(self, task):
+            raise FileNotFoundError("levels/7.txt")
+
+    assert reset_all([Fine()], [{"level": 1}]) == ["go"]
+    with pytest.raises(
+        EnvironmentFailure, match=r'Broken.reset raised FileNotFoundError: levels/7.txt \(task \{"level": 7\}'
+    ):
+        reset_all([Fine(), Broken()], [{"level": 1}, {"level": 7}])

@@ -142,10 +142,24 @@ def observation_text(tokenizer, observation: str, role: str = "user") -> str:
     return full[anchor + len(sentinel) + len(eos) :]
 
 
+class EnvironmentFailure(RuntimeError):
+    """An environment's `reset` raised: the episode cannot start. The message names the class and the task."""
+
+
 def reset_all(envs: Sequence[Env], tasks: Sequence[dict]) -> list:
     """Each environment's first observation (`env.reset(task)`), in order. One function, like `step_all`, so that the
-    environment's own work is timed as such (bench/profile_step.py)."""
-    return [env.reset(task) for env, task in zip(envs, tasks, strict=True)]
+    environment's own work is timed as such (bench/profile_step.py). A `reset` that raises stops the batch with an
+    `EnvironmentFailure` naming the environment and the task (a step that raises only ends its episode)."""
+    firsts = []
+    for env, task in zip(envs, tasks, strict=True):
+        try:
+            firsts.append(env.reset(task))
+        except Exception as e:
+            shown = json.dumps(task, default=str)[:200]
+            raise EnvironmentFailure(
+                f"environment {type(env).__name__}.reset raised {type(e).__name__}: {e} (task {shown})"
+            ) from e
+    return firsts
 
 
 def step_all(
