@@ -418,3 +418,17 @@ def test_an_environment_whose_reset_raises_is_named_with_its_task():
         EnvironmentFailure, match=r'Broken.reset raised FileNotFoundError: levels/7.txt \(task \{"level": 7\}'
     ):
         reset_all([Fine(), Broken()], [{"level": 1}, {"level": 7}])
+
+
+def test_the_documented_notebook_command_is_installed():
+    """Many users type `jupyter nbconvert --execute`, which needs nbconvert (not installed); the docs give `jupyter
+    execute`, which the set-up installs (nbclient): its command must be there."""
+    import shutil
+    import sys
+
+    folder = str(Path(sys.executable).parent)
+    assert shutil.which("jupyter-execute", path=folder) or shutil.which("jupyter-execute")
+    assert (
+        "jupyter execute notebooks/"
+        in (Path(__file__).resolve().parent.parent / "docs" / "development.md").read_text()
+    )
