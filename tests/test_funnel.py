@@ -334,6 +334,16 @@ def test_topk_frac_hand_example():
     assert token_weights(d, mask, "topk_frac", kappa=0.5, topk=1.0).tolist() == [[1.5] * 5 + [0.0]]
 
 
+@pytest.mark.parametrize("q", [0.05, 0.2, 1.0])
+def test_topk_frac_a_single_model_token_gets_the_bonus(q):
+    """M = 1: k = ceil(q·1) = 1 = M for every q > 0, so Eq. 5 gives the one token 1 + κ (clipped at ω_max); the rule
+    that a row of equal D gets ω = 1 is for rows of several tokens (the old code gave 1 here)."""
+    d = torch.tensor([[0.0, 0.7, 0.2], [0.0, 0.0, 0.5]], dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 0], [1, 0, 0]])  # one model token in each row (D = 0 in the second)
+    assert token_weights(d, mask, "topk_frac", kappa=1.0, topk=q).tolist() == [[0, 2, 0], [2, 0, 0]]
+    assert token_weights(d, mask, "topk_frac", kappa=9.0, omega_max=3.0, topk=q).tolist() == [[0, 3, 0], [3, 0, 0]]
+
+
 def test_topk_frac_ties_at_the_threshold_hand_example():
     # M = 6, sorted D: 0.7, 0.4, 0.4, 0.4, 0.2, 0.1
     d = torch.tensor([[0.2, 0.7, 0.4, 0.4, 0.1, 0.4]], dtype=torch.float64)
@@ -349,20 +359,20 @@ def test_topk_frac_ties_at_the_threshold_hand_example():
 
 
 def test_topk_frac_all_equal_gives_unit_weights():
-    """funnel.md §7 item 5 and Eq. 5: a row whose model tokens' D are all equal gets ω = 1 at every model token,
-    whatever q (k < M and k = M alike), 0 off them; D at environment tokens does not count."""
+    """funnel.md §7 item 5 and Eq. 5: a row of several model tokens whose D are all equal gets ω = 1 at every model
+    token, whatever q (k < M and k = M alike), 0 off them; D at environment tokens does not count. (A row of one
+    model token is not a tie: test_topk_frac_a_single_model_token_gets_the_bonus.)"""
     d = torch.tensor([
         [0.3, 0.3, 0.3, 0.3, 0.3],
         [0.0, 0.0, 0.0, 0.0, 0.0],
         [0.2, 0.9, 0.2, 0.2, 0.0],  # model tokens 0, 2, 3 all 0.2; the environment token's 0.9 is ignored
-        [0.6, 0.0, 0.0, 0.0, 0.0],  # a single model token
     ], dtype=torch.float64)  # fmt: skip
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 0, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 1, 0]])
     for q in (0.0, 0.2, 0.5, 1.0):
         omega = token_weights(d, mask, "topk_frac", kappa=1.0, topk=q)
         assert torch.equal(omega, mask.double()), q
     # with D ≡ 0 the loss is plain reverse-KL OPSD, as with linear_norm (D2)
-    zeros = torch.zeros(4, 5, dtype=torch.float64)
+    zeros = torch.zeros(3, 5, dtype=torch.float64)
     assert torch.equal(token_weights(zeros, mask, "topk_frac"), token_weights(zeros, mask, "linear_norm"))
 
 
@@ -395,7 +405,7 @@ def test_topk_frac_with_ties_matches_every_tie_break_rule():
         model = [t for t in range(T) if mask[0, t]]
         values = [d[0, t].item() for t in model]
         k = math.ceil(q * len(model) - 1e-9)
-        same = len(set(values)) == 1
+        same = len(values) > 1 and len(set(values)) == 1  # a tie needs two tokens: one token alone is the top 1
         for t in range(T):
             at_least = sum(v >= d[0, t].item() for v in values)
             want = 0.0 if not mask[0, t] else (2.0 if at_least <= k and not same else 1.0)

@@ -209,8 +209,8 @@ def token_weights(
     row's mean over its model tokens, and ω = 1 on a row whose D̄ is 0; `none`: 1; `topk_frac`: min(1 + κ, ω_max) on
     the model tokens whose D is larger than D_(k+1), the (k+1)-th largest D of the row (k = ceil(q·M), M its model
     tokens; every model token when k = M), else 1: the tokens among the k largest however ties are broken. Tokens
-    tied at the k-th value across the cut get no bonus (at most k tokens get it), and a row whose D are all equal
-    gets ω = 1."""
+    tied at the k-th value across the cut get no bonus (at most k tokens get it), and a row of several tokens whose D
+    are all equal gets ω = 1; a row of one model token has k = M = 1, so that token gets the bonus, as Eq. 5 says."""
     m = mask.bool()
     d = torch.where(m, jsd.detach().double(), torch.zeros_like(jsd, dtype=torch.float64))
     ones = torch.ones_like(d)
@@ -225,8 +225,8 @@ def token_weights(
         omega = ones.clone()
         for b in range(d.shape[0]):
             values = d[b][m[b]]  # (M,) the row's model tokens
-            if len(values) == 0 or bool((values == values[0]).all()):
-                continue  # no token stands out: ω = 1, as linear_norm's D̄ = 0 (D2)
+            if len(values) == 0 or (len(values) > 1 and bool((values == values[0]).all())):
+                continue  # no token stands out among several: ω = 1, as linear_norm's D̄ = 0 (D2)
             k = math.ceil(topk * len(values))
             cut = torch.sort(values, descending=True).values[k].item() if k < len(values) else -math.inf  # D_(k+1)
             omega[b, d[b] > cut] = min(1.0 + kappa, omega_max)  # Eq. 5, topk_frac (0 off the mask below)
