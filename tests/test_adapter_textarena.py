@@ -210,3 +210,25 @@ def test_demonstrations_are_the_experts_moves_and_replay_to_success(game):
         assert k == len(actions) - 1
         assert done and info["success"]
         assert demo[-1]["role"] == "assistant"  # a finished episode ends on the winning move
+
+
+def test_the_skill_text_is_the_bisection_the_expert_plays(game, tasks):
+    """GuessTheNumber's skill text (what AlignOPSD's teacher reads) states the expert's rule: keep the range the hints
+    leave and guess its middle. Played by its own words on the hint history, it picks the expert's action at every
+    turn of an expert game; a game without a skill text gives ""."""
+    from envs.base import SKILL_HEADER, skill_card
+
+    assert "middle" in game.skill and "'higher'" in game.skill and "'lower'" in game.skill
+    assert skill_card(game.skill).startswith(SKILL_HEADER)
+    env = game()
+    env.reset(tasks[0])
+    low, high = 1, 20  # the skill's rule, applied by hand to the hints the game gives
+    for _ in range(5):
+        guess = (low + high) // 2
+        assert env.expert_action() == f"[{guess}]"
+        observation, _, done, _ = env.step(f"[{guess}]")
+        if done:
+            break
+        low, high = (guess + 1, high) if "higher" in observation else (low, guess - 1)
+    assert done
+    assert adapter_class("textarena:TowerOfHanoi-v0", {}).skill == ""

@@ -19,7 +19,8 @@ never disturb each other. Word games call `nltk.download` at import: here no dow
 be offline); a game whose NLTK data is not installed stops at start-up naming the resource.
 
 Experts (for the tiny default's demonstrations, `tiny:textarena:<game id>`): GuessTheNumber, by bisection on the
-hints so far (it never reads the secret). Other games train from a model folder or Hub id.
+hints so far (it never reads the secret). Other games train from a model folder or Hub id. GuessTheNumber also has a
+skill text (`SKILLS`, the bisection strategy in words), the privileged guidance a teacher method reads.
 """
 
 from __future__ import annotations
@@ -97,6 +98,17 @@ def _guess_the_number_mistake(env: TextArenaEnv, rng: random.Random) -> str:
 #: game class name -> (expert, plausible mistake)
 EXPERTS: dict[str, tuple[Callable, Callable]] = {
     "GuessTheNumberEnv": (_guess_the_number, _guess_the_number_mistake),
+}
+
+#: game id -> how to play it well, in a few sentences (`Env.skill`): what a teacher method reads as privileged
+#: guidance (AlignOPSD's skill card, docs/methods/alignopsd.md D6); the strategy its expert plays, in words
+SKILLS: dict[str, str] = {
+    "GuessTheNumber-v0": (
+        "Keep the lowest and the highest number still possible: at the start, the range the game names. Guess the "
+        "middle of them in square brackets, like [10] for 1 to 20. After 'higher', the lowest possible becomes your "
+        "guess plus one; after 'lower', the highest possible becomes your guess minus one. Guess the middle again, "
+        "and never repeat a guess: each guess halves what is left."
+    ),
 }
 
 
@@ -202,7 +214,8 @@ def environment_class(name: str, kwargs: dict) -> type[TextArenaEnv]:
     if budget is not None and (not isinstance(budget, int) or budget < 1):
         raise SystemExit(f"error: environment_kwargs turn_budget must be a positive integer, got {budget!r}")
     class_name = "TextArena_" + re.sub(r"\W", "_", name)
-    cls = type(class_name, (TextArenaEnv,), {"name": spec, "game_id": name, "game_kwargs": settings})
+    fields = {"name": spec, "game_id": name, "game_kwargs": settings, "skill": SKILLS.get(name, "")}
+    cls = type(class_name, (TextArenaEnv,), fields)
     try:
         with _LOCK:
             outer = random.getstate()
