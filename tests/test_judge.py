@@ -652,7 +652,7 @@ def test_local_judge_parses_and_votes(tiny_model_and_tokenizer, monkeypatch):
 
 def test_an_answer_over_max_answer_bytes_is_a_failed_call_not_read(server):
     """Issue 65: a 200 MiB judge answer was read whole (867 MB for one call). A body whose stated length is over
-    `max_answer_bytes` is refused before it is read, counted as `too_large` and not retried; a short one still works."""
+    `max_answer_bytes` is refused before it is read, counted as `too_large`, not retried; a short one still works."""
     server.script(ok('{"score": 1, "reason": "' + "x" * 5000 + '"}'))
     with make_judge(server, max_answer_bytes=2000, max_repairs=0) as judge:
         assert judge.score_sync(MESSAGES, Verdict) is None
