@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     text = "\n".join(lines)
     print("\n" + text)
-    write_result(opts.out, "credit_signal", vars(opts) | {"out": str(opts.out)}, results, text)
+    settings = vars(opts) | {"out": str(opts.out), "recipe": None if opts.recipe is None else str(opts.recipe)}
+    write_result(opts.out, "credit_signal", settings, results, text)
     return results
 
 
