@@ -5,20 +5,13 @@ does in-process (trainers/agent_loop.py `play`). Skipped only when the `transfor
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import openai
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agent_trl.export import export
 from agent_trl.play import play_episode
+from agent_trl.served import serve
 from envs.shop import ShopEnv
 from envs.tiny import shipped_build
 from trainers.agent_loop import LoopSettings, hf_generate, play
@@ -26,51 +19,19 @@ from trainers.agent_loop import LoopSettings, hf_generate, play
 TURN_TOKENS = 24  # the quickstart's max_turn_tokens
 
 
-def transformers_command() -> str | None:
-    """The `transformers` CLI of this interpreter's environment (None: not installed)."""
-    return shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(base_url, exported folder) of `transformers serve` running on the exported tiny shop agent."""
-    command = transformers_command()
-    if command is None:
-        pytest.skip("the `transformers serve` command is missing (transformers CLI not installed)")
+    """(base_url, exported folder) of `transformers serve` running on the exported tiny shop agent
+    (agent_trl/served.py, as a run's `serve_model` starts it)."""
     folder = export(str(shipped_build()), str(tmp_path_factory.mktemp("serve") / "agent"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [command, "serve", str(folder), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = tmp_path_factory.mktemp("serve-log") / "serve.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base_url = f"http://127.0.0.1:{port}/v1"
-    client = openai.OpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=5)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if server.poll() is not None:
-                if "No such command 'serve'" in log.read_text():  # a transformers CLI without `serve`
-                    pytest.skip("the `transformers serve` command is missing from this transformers")
-                pytest.fail(f"transformers serve exited with {server.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"transformers serve did not answer within 90 s:\n{log.read_text()[-3000:]}")
-                time.sleep(0.25)
-        yield base_url, folder
-    finally:
-        client.close()
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        with serve(str(folder), log_path=log) as endpoint:
+            yield endpoint.base_url, folder
+    except SystemExit as e:
+        if "No such command 'serve'" in str(e) or "needs the `transformers` command" in str(e):
+            pytest.skip("the `transformers serve` command is missing from this transformers")
+        raise
 
 
 def test_a_chat_completion_is_local_greedy_generation(served):
