@@ -73,6 +73,7 @@ def _closed_port() -> int:
     return port
 
 
+NO_MODEL = BASE.replace("model_name_or_path: tiny:shop\n", "")  # a case names its own model
 NO_ENV = BASE.replace("environment: shop\n", "environment: none\n").replace("tiny:shop", "tiny")
 
 CASES = [
@@ -147,33 +148,33 @@ CASES = [
         "model folder missing",
         "model_name_or_path",
         "model_name_or_path: /no/such/model\n",
-        base=BASE.replace("model_name_or_path: tiny:shop\n", ""),
+        base=NO_MODEL,
     ),
     Case(
         "model folder without config.json",
         "model_name_or_path",
         "model_name_or_path: {tmp}/empty_model\n",
-        base=BASE.replace("model_name_or_path: tiny:shop\n", ""),
+        base=NO_MODEL,
         setup="empty_model",
     ),
     Case(
         "unknown tiny environment",
         "model_name_or_path",
         "model_name_or_path: tiny:shoop\n",
-        base=BASE.replace("model_name_or_path: tiny:shop\n", ""),
+        base=NO_MODEL,
     ),
     Case(
         "Hub id not cached offline",
         "model_name_or_path",
         "model_name_or_path: nosuchorg/nosuchmodel\n",
-        base=BASE.replace("model_name_or_path: tiny:shop\n", ""),
+        base=NO_MODEL,
         env={"HF_HUB_OFFLINE": "1"},
     ),
     Case(
         "malformed Hub id",
         "model_name_or_path",
         "model_name_or_path: a/b/c/d\n",
-        base=BASE.replace("model_name_or_path: tiny:shop\n", ""),
+        base=NO_MODEL,
     ),
     Case("lora_r 0", "lora_r", "use_peft: true\nlora_r: 0\n"),
     # where it writes, and resuming
@@ -231,7 +232,7 @@ CASES = [
         "completion budget beyond the model",
         "max_completion_length",
         "model_name_or_path: {tmp}/short_model\nmax_completion_length: 100000000\nmax_turns: 1000000000\n",
-        base=BASE.replace("model_name_or_path: tiny:shop\n", ""),
+        base=NO_MODEL,
         setup="short_model",
     ),
 ]
