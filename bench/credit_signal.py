@@ -9,6 +9,8 @@ default at the start of training.
         --out bench/results/credit_signal_search2                  # the recipes' fields overridden (search level 2)
     python bench/credit_signal.py --recipe configs/smollm2_guess_the_number.yaml --batches 12 \
         --set per_device_train_batch_size=16 --out bench/results/credit_signal_smollm2   # the real model, multi-turn
+    python bench/credit_signal.py --recipe configs/smollm2_guess_the_number.yaml --methods alignopsd --label sound \
+        --set per_device_train_batch_size=16 alignopsd_match_on=action --out bench/results/credit_signal_smollm2_sound
 
 For each method and environment, the method's trainer is built from its shipped recipe (`configs/<method>_<env>.yaml`,
 parsed and built as train.py does: 8 tasks x 8 rollouts per generation batch) on the tiny default agent, or with
@@ -18,7 +20,9 @@ and plays
 `--batches` generation batches of training tasks through `trainer.train()` at learning rate 0 (every batch is played
 by the SFT start, where the credit matters most). Each turn of each rollout is labelled by replaying the rollout in
 a fresh environment: an **expert turn** is one whose action equals the environment's expert action in that state
-(`expert_action`, whitespace and case ignored); the labels are never shown to the methods.
+(`expert_action`, whitespace and case ignored), or with `--label sound` one whose action is sound play there
+(`Env.sound_action`: on GuessTheNumber any guess the hints still allow, not only the middle one); the labels are never
+shown to the methods.
 
 Measured per method and environment, over the rows the method credited (A != 0, not in fallback):
 * the ordering share: over pairs (expert turn, other turn) of one row, how often the method's per-turn credit orders
@@ -91,27 +95,38 @@ def build(method: str, env: str, seed: int, workdir: str, extra: list[str] = (),
     return trainer, sources
 
 
-def expert_labels(source, row: dict, transcript: list[dict]) -> list[bool]:
-    """Per turn: did the rollout take the expert's action in that state (replayed in a fresh environment)?"""
+def expert_labels(source, row: dict, transcript: list[dict], label: str = "expert") -> list[bool]:
+    """Per turn, replayed in a fresh environment: did the rollout take the expert's action in that state (`expert`),
+    or a sound one (`sound`: `Env.sound_action`, e.g. any guess the hints still allow)?"""
     env, task = source.factory(row), row_task(row)
     env.reset(task)
     labels = []
     for turn in transcript:
-        expert = env.expert_action()
-        labels.append(" ".join(turn["action"].lower().split()) == " ".join(expert.lower().split()))
+        if label == "sound":
+            labels.append(bool(env.sound_action(turn["action"])))
+        else:
+            expert = env.expert_action()
+            labels.append(" ".join(turn["action"].lower().split()) == " ".join(expert.lower().split()))
         env.step(turn["action"])
     return labels
 
 
 def measure(
-    method: str, env: str, batches: int, seed: int, workdir: str, extra: list[str] = (), recipe: Path | None = None
+    method: str,
+    env: str,
+    batches: int,
+    seed: int,
+    workdir: str,
+    extra: list[str] = (),
+    recipe: Path | None = None,
+    label: str = "expert",
 ) -> dict:
     with ExitStack() as stack:
         trainer, sources = build(method, env, seed, workdir, extra, recipe, stack)
-        return measure_trainer(trainer, sources, method, env, batches)
+        return measure_trainer(trainer, sources, method, env, batches, label)
 
 
-def measure_trainer(trainer, sources, method: str, env: str, batches: int) -> dict:
+def measure_trainer(trainer, sources, method: str, env: str, batches: int, label: str = "expert") -> dict:
     source = sources.environment
     trainer.args.max_steps, trainer.args.learning_rate = batches, 0.0  # every batch is played by the SFT start
     trainer.args.logging_steps = batches
@@ -128,7 +143,7 @@ def measure_trainer(trainer, sources, method: str, env: str, batches: int) -> di
             a = float(batch.advantages[b])
             if a == 0 or bool(credit.fallback[b]):
                 continue
-            labels = expert_labels(source, row, row["transcript"])
+            labels = expert_labels(source, row, row["transcript"], label)
             live = [k for k in range(len(labels)) if bool((batch.turn_index[b] == k).any())]  # turns with tokens
             values = {k: float(credit.values[b, k]) for k in live}
             sign = "winner" if a > 0 else "loser"
@@ -195,6 +210,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="run every method on this recipe (its trainer replaced) instead of configs/<method>_<env>.yaml; "
         "--envs is then ignored",
     )
+    parser.add_argument(
+        "--label",
+        choices=["expert", "sound"],
+        default="expert",
+        help="which turns count as good: the expert's action, or any sound one (Env.sound_action, e.g. a guess the "
+        "hints still allow; for a start model that never plays the expert's exact move)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "credit_signal")
     opts = parser.parse_args(argv)
     bad = [item for item in opts.set if not item.partition("=")[0] or "=" not in item]
@@ -216,11 +238,13 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         for env in envs:
             for name in opts.methods:
-                results[f"{name}/{env}"] = measure(name, env, opts.batches, opts.seed, workdir, fields, opts.recipe)
+                results[f"{name}/{env}"] = measure(
+                    name, env, opts.batches, opts.seed, workdir, fields, opts.recipe, opts.label
+                )
                 print(name, env, results[f"{name}/{env}"], file=sys.stderr)
     lines = [
-        "| method | environment | ordering share (0.5: none) | pairs | A > 0: expert / other turns | "
-        "A < 0: expert / other turns |",
+        f"| method | environment | ordering share (0.5: none) | pairs | A > 0: {opts.label} / other turns | "
+        f"A < 0: {opts.label} / other turns |",
         "|---|---|---:|---:|---|---|",
     ]
 
@@ -235,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{fmt(r['loser_expert_mean'])} / {fmt(r['loser_other_mean'])} |"
         )
     lines.append(
-        "\nCredit per turn: the multiplier w (1 = GRPO's share). Ordering share: within-row (expert turn, other turn) "
+        "\nCredit per turn: the multiplier w (1 = GRPO's share). Ordering share: within-row "
+        f"({opts.label} turn, other turn) "
         "pairs ordered the helpful way (see bench/credit_signal.py)."
     )
     text = "\n".join(lines)

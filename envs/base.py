@@ -109,6 +109,13 @@ class Env:
         """A plausible but wrong next action (used to make demonstrations noisy)."""
         raise NotImplementedError
 
+    def sound_action(self, action: str) -> bool:
+        """Is `action` sound play in the current state: one a careful player could take, not only the expert's?
+        By default, the expert's action (whitespace and case ignored); an environment where many moves are good
+        overrides it (TextArena's GuessTheNumber: any guess the hints still allow). bench/credit_signal.py labels
+        turns with it (`--label sound`)."""
+        return " ".join(action.lower().split()) == " ".join(self.expert_action().lower().split())
+
     def privileged(self, task: dict) -> str | None:
         """What a teacher may read about `task` that the agent does not see: by default the plan the expert follows
         from the start, its actions in order ("Plan: a | b | c"), played on a fresh copy of this environment (this

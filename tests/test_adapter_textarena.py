@@ -232,3 +232,29 @@ def test_the_skill_text_is_the_bisection_the_expert_plays(game, tasks):
         low, high = (guess + 1, high) if "higher" in observation else (low, guess - 1)
     assert done
     assert adapter_class("textarena:TowerOfHanoi-v0", {}).skill == ""
+
+
+def test_a_sound_guess_is_one_the_hints_still_allow(game, tasks):
+    """`sound_action` (bench/credit_signal.py's `--label sound`): a guess inside the range the hints so far leave
+    (which holds no earlier guess). The secret is read from the package, the range kept by hand from it, and every number from
+    1 to 20 checked at each turn against that range."""
+    task = next(t for t in tasks if 3 <= package_secret(t["seed"]) <= 18)
+    secret = package_secret(task["seed"])
+    env = game()
+    env.reset(task)
+    low, high = 1, 20
+    for guess in (1, 20, secret):  # one guess below the secret, one above, then the secret
+        expected = set(range(low, high + 1))
+        assert {n for n in range(1, 21) if env.sound_action(f"[{n}]")} == expected
+        assert env.sound_action(f"I guess [ {guess} ] now") == (guess in expected)  # the first [n] of a move
+        assert not env.sound_action("twelve") and not env.sound_action("[]")
+        env.step(f"[{guess}]")
+        low, high = (max(low, guess + 1), high) if guess < secret else (low, min(high, guess - 1))
+    # the base rule elsewhere: the expert's action, whitespace and case ignored
+    from envs.base import Env
+
+    class One(Env):
+        def expert_action(self):
+            return "Go  North"
+
+    assert One().sound_action("go north") and not One().sound_action("go south")

@@ -74,16 +74,32 @@ def _nltk_installed(name: str) -> bool:
     return False
 
 
-def _guess_the_number(env: TextArenaEnv) -> str:
-    """Bisection on the hints so far: the middle of the numbers still possible (never the secret itself)."""
-    game = env.game
+def _hint_range(game) -> tuple[int, int]:
+    """The lowest and highest number the hints so far leave possible."""
     low, high = game.min_number, game.max_number
     for guess, hint in game.state.game_state["guess_history"]:
         if hint == "higher":
             low = max(low, guess + 1)
         else:
             high = min(high, guess - 1)
+    return low, high
+
+
+def _guess_the_number(env: TextArenaEnv) -> str:
+    """Bisection on the hints so far: the middle of the numbers still possible (never the secret itself)."""
+    low, high = _hint_range(env.game)
     return f"[{(low + high) // 2}]"
+
+
+def _guess_the_number_sound(env: TextArenaEnv, action: str) -> bool:
+    """A guess the hints so far allow: a number from the lowest to the highest still possible (a number guessed
+    before is outside them; the game reads the first `[n]` of a move)."""
+    found = re.search(r"\[\s*(\d+)\s*\]", action)
+    if found is None:
+        return False
+    low, high = _hint_range(env.game)
+    guess = int(found.group(1))
+    return low <= guess <= high
 
 
 def _guess_the_number_mistake(env: TextArenaEnv, rng: random.Random) -> str:
@@ -99,6 +115,9 @@ def _guess_the_number_mistake(env: TextArenaEnv, rng: random.Random) -> str:
 EXPERTS: dict[str, tuple[Callable, Callable]] = {
     "GuessTheNumberEnv": (_guess_the_number, _guess_the_number_mistake),
 }
+
+#: game class name -> whether a move is sound play (`Env.sound_action`): any move a careful player could make here
+SOUND: dict[str, Callable] = {"GuessTheNumberEnv": _guess_the_number_sound}
 
 #: game id -> how to play it well, in a few sentences (`Env.skill`): what a teacher method reads as privileged
 #: guidance (AlignOPSD's skill card, docs/methods/alignopsd.md D6); the strategy its expert plays, in words
@@ -197,6 +216,10 @@ class TextArenaEnv(Env):
 
     def expert_action(self) -> str:
         return self._expert()[0](self)
+
+    def sound_action(self, action: str) -> bool:
+        sound = SOUND.get(type(self.game).__name__)
+        return super().sound_action(action) if sound is None else sound(self, action)
 
     def noisy_action(self, rng: random.Random) -> str:
         return self._expert()[1](self, rng)
