@@ -236,8 +236,8 @@ def test_the_skill_text_is_the_bisection_the_expert_plays(game, tasks):
 
 def test_a_sound_guess_is_one_the_hints_still_allow(game, tasks):
     """`sound_action` (bench/credit_signal.py's `--label sound`): a guess inside the range the hints so far leave
-    (which holds no earlier guess). The secret is read from the package, the range kept by hand from it, and every number from
-    1 to 20 checked at each turn against that range."""
+    (which holds no earlier guess). The secret is read from the package, the range kept by hand from it, and every
+    number from 1 to 20 checked at each turn against that range."""
     task = next(t for t in tasks if 3 <= package_secret(t["seed"]) <= 18)
     secret = package_secret(task["seed"])
     env = game()
