@@ -69,7 +69,8 @@ def test_distill_loss_matches_eq_4_to_7_from_full_forwards(tiny_model_folder, tm
     trainer = make_trainer(tiny_model_folder, str(tmp_path), distillation_weight=1.0, distill_temperature=0.8)
     trainer.model.train()
     torch.manual_seed(0)
-    out = trainer._generate_and_score_completions([dict(r) for r in rows() for _ in range(2)])
+    inputs = [dict(r) for r in rows() for _ in range(2)]
+    out = trainer.generate_and_score(inputs)
     tok, tau = trainer.processing_class, 0.8
     model, teacher = trainer.model, trainer.teacher_model
     c = out["funnel_c"]
@@ -80,7 +81,7 @@ def test_distill_loss_matches_eq_4_to_7_from_full_forwards(tiny_model_folder, tm
         completion = out["completion_ids"][b, :n].tolist()
         mask = out["tool_mask"][b, :n].bool()
         prompt = out["prompt_ids"][b][out["prompt_mask"][b].bool()].tolist()
-        messages = trainer._rows[b]["prompt_messages"]
+        messages = inputs[b]["prompt_messages"]
         state_prompt = render_prompt_ids(tok, with_privileged_block(messages, render_state(STATE)), None)
         p_state = full_logps(teacher, state_prompt, completion, tau).double()
         p_plain = full_logps(teacher, prompt, completion, tau).double()

@@ -292,7 +292,7 @@ def test_old_and_reference_passes_score_only_model_tokens(tiny_model_folder, tmp
     mask = out["completion_mask"] * out["tool_mask"]  # (B, T)
     assert (out["tool_mask"] == 0).any() and (out["completion_mask"] == 0).any()  # observations and padding
     assert sum(rows) == 2 * int(mask.sum())  # two passes, each over the model's tokens only (in TRL's chunks)
-    assert trainer._batch_env_mask is None  # nothing carries over into the loss's forwards
+    assert trainer.generation_step is None  # nothing carries over into the loss's forwards
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     attention = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     on = mask.bool()

@@ -22,7 +22,8 @@ from envs.shop import ShopEnv
 from envs.terminal import TerminalEnv
 from trainers import xtree
 from trainers.agent_loop import LoopSettings, play
-from trainers.base import AgentGRPOTrainer
+from trainers.base import GenerationStep
+from trainers.trl_api import TRLSeams
 from trainers.xtree_trainer import (
     NodeEnv,
     PrefixMismatch,
@@ -153,13 +154,17 @@ def test_bonus_column_is_eq_10_per_group_in_row_order(tiny_model_folder, tmp_pat
     two (w = 0.5 >= w_max: λ = 0), and no win with max B = 0 (bonus 0, no NaN)."""
     trainer = make_trainer(tiny_model_folder, tmp_path)
     raw = torch.tensor([[0.0, 1.0], [0.0, 3.0], [1.0, 2.0], [0.0, 5.0], [0.0, 0.0], [float("nan"), 0.0]])
-    monkeypatch.setattr(AgentGRPOTrainer, "calculate_rewards", lambda self, *a: raw.clone())
-    out = trainer.calculate_rewards([], [], [], [])
+    monkeypatch.setattr(TRLSeams, "calculate_rewards", lambda self, *a: raw.clone())  # TRL's gathered columns
+    trainer.generation_step = GenerationStep(rows=[{}] * 6)  # as generate_and_score opens it
+    out = trainer.calculate_rewards([], [""] * 6, [], [])
     lam = 0.75  # w = 0 in group 0: λ0 (1 - 0/0.4)
     expected_bonus = [lam * 2.0 * 1 / 3, lam * 2.0 * 3 / 3, 0.0, 0.0, 0.0, 0.0]
     assert torch.equal(out[:, 0].nan_to_num(-1), raw[:, 0].nan_to_num(-1))
     assert out[:, 1].tolist() == pytest.approx(expected_bonus)
-    assert trainer._rewards_per_func is out  # what the rollout batch and the advantages read
+    step = trainer.generation_step  # what the rollout batch and the advantages read: the shaped columns
+    assert step.rewards_per_func is out
+    weighted = [a + b for a, b in zip([0.0, 0.0, 1.0, 0.0, 0.0, 0.0], expected_bonus, strict=True)]  # weights 1, 1
+    assert step.rewards.tolist() == pytest.approx(weighted)  # a NaN verifier cell counts 0 beside a bonus (nansum)
 
 
 def test_the_trainer_writes_and_draws_its_tree(tiny_model_folder, tmp_path):

@@ -784,18 +784,16 @@ def to_trl(rollouts: list[Rollout]) -> dict[str, list]:
     }
 
 
-def trainer_rollouts(prompts: list, trainer) -> list[Rollout]:
+def trainer_rollouts(prompts: list, trainer, rows: list[dict]) -> list[Rollout]:
     """The rollouts of one generation batch of `trainer` (an `AgentGRPOTrainer`), as `Rollout` objects (their
-    `routes` stay here, out of TRL's rows). The task of each prompt comes from `trainer._rows`, the batch's dataset
-    rows, which the trainer sets right before TRL calls its `rollout_func`, in the order of `prompts` (already
-    repeated G times).
+    `routes` stay here, out of TRL's rows). The task of each prompt comes from `rows`, the batch's dataset rows in the
+    order of `prompts` (already repeated G times): the trainer's generation step holds them.
 
     Every process makes the same number of generate calls (`trainer.num_live_global`); with
     `trainer.replay_routing` the HF backend records MoE routes (routing-replay.md D1).
     """
-    rows = trainer._rows
     if len(rows) != len(prompts):
-        raise RuntimeError(f"trainer_rollouts got {len(prompts)} prompts but {len(rows)} stashed rows")
+        raise RuntimeError(f"trainer_rollouts got {len(prompts)} prompts but {len(rows)} rows")
     envs = [trainer.env_factory(row) for row in rows]
     # a `task` column (JSON or dict) holds the task; without one the row itself is the task, as TRL's reset(**row)
     tasks = [row_task(row) for row in rows]

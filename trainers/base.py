@@ -27,6 +27,21 @@ grouped key/value heads in place, D14) are on only while the trainer trains, gen
 forward (`cpu_fast_paths`). `keep_freed_memory: true` (opt-in) keeps glibc from handing freed memory back between CPU
 steps (D14).
 
+One generation batch, in the order TRL calls the seams (`trainer.generation_step`, a `GenerationStep`, carries what
+one seam hands the next; it exists only while the batch is made):
+1. `generate_and_score(inputs)`: opens the generation step with this process's dataset rows, then runs TRL's method.
+2. Inside it, TRL calls `rollout_func` (`_rollout_func`): the agent loop plays the rows' tasks
+   (`agent_loop.trainer_rollouts`) and the step keeps each row's model tokens.
+3. TRL's old-log-prob and reference passes call `token_logps`, which scores the step's model tokens only (D12).
+4. TRL merges the rollout fields into the rows and calls `calculate_rewards`: the gathered reward columns pass
+   through `shape_rewards` and the step keeps them, with this process's weighted rewards. TRL normalises them per
+   group into its advantages and returns.
+5. Back in `generate_and_score`: the `RolloutBatch` is built from TRL's output and the step, `compute_advantages`
+   (hook 1) replaces TRL's advantages, the `env/*` metrics, episodes and the no-signal guard run, and the step ends.
+Then, per micro-batch of the optimisation, `micro_batch_loss` calls `policy_loss` (hook 2), whose forwards go
+through `token_logps` with the loss mask: passed as `scored` by `forward_logps`, or set by `scoring_loss` around
+TRL's own loss, which makes its forward itself.
+
 Logged metrics (besides TRL's), every generation batch, over all processes:
 - `env/success`: fraction of rollouts the environment judged successful.
 - `env/turns`: mean assistant turns per episode.
@@ -396,6 +411,27 @@ class RolloutBatch:
         return self.completion_mask * self.env_mask
 
 
+@dataclass
+class GenerationStep:
+    """One generation batch on its way through TRL's `generate_and_score`: made when the batch starts, filled by the
+    seams TRL calls inside it (in the order the module docstring gives), read to build the `RolloutBatch`, and dropped
+    when the batch ends; nothing in it outlives its batch. The trainer holds it as `trainer.generation_step` (None
+    between batches)."""
+
+    rows: list[dict]  # this process's dataset rows, each task's row G times in TRL's order: the tasks the loop plays
+    model_tokens: list[list[int]] | None = None  # per row, 1 on the completion's model tokens: set by the rollout
+    # function for TRL's old and reference passes (docs/methods/grpo.md D12), dropped when TRL's method returns
+    rewards_per_func: torch.Tensor | None = None  # (N_global, F) reward columns as TRL gathered them; NaN: no answer
+    rewards: torch.Tensor | None = None  # (B,) this process's rows' weighted rewards, as TRL weighs them; NaN: none
+
+    def take_rewards(self, rewards_per_func: torch.Tensor, weights: torch.Tensor, start: int, n: int) -> None:
+        """Keep TRL's gathered reward columns and the weighted reward of this process's `n` rows, which start at row
+        `start` of the gathered batch (TRL orders it by process)."""
+        rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        self.rewards_per_func, self.rewards = rewards_per_func, rewards[start : start + n]
+
+
 def turns_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Turn index (B, T) derived from a loss mask: turn k is the k-th maximal run of 1s; -1 elsewhere.
 
@@ -473,9 +509,8 @@ class AgentGRPOTrainer(TRLSeams):
         if args.save_episodes and env_factory is None:
             raise ValueError("save_episodes writes the agent loop's episodes: it needs env_factory")
         self._episodes_from: int | None = None  # global step at the first write of episodes.jsonl by this process
-        self._rows: list[dict] = []
-        self._scored_next: torch.Tensor | None = None  # the loss mask of the next log-prob forward (D12)
-        self._batch_env_mask: list[list[int]] | None = None  # this generation batch's model tokens, per row (D12)
+        self.generation_step: GenerationStep | None = None  # the generation batch under way (see GenerationStep)
+        self._loss_scored: torch.Tensor | None = None  # the loss mask of TRL's own loss forward (`scoring_loss`, D12)
         self.task_scheduler = None
         if args.scheduler == "envsched":  # envsched.md: built before TRL's init, which builds no sampler yet
             train_dataset = self._attach_scheduler(args, train_dataset)
@@ -576,11 +611,8 @@ class AgentGRPOTrainer(TRLSeams):
     def policy_loss(self, model, inputs: dict) -> torch.Tensor:
         """Scalar loss for one micro-batch. Default: TRL's own GRPO loss (ratio, clipping, KL, aggregation), its
         log-probs scored on the model's tokens only (docs/methods/grpo.md D12)."""
-        self._scored_next = self.loss_mask(inputs)  # read by the one log-prob forward TRL's loss makes
-        try:
+        with self.scoring_loss(self.loss_mask(inputs)):
             return self.trl_loss(model, inputs)
-        finally:
-            self._scored_next = None
 
     # ----------------------------------------------------------------------------------------------------------------
     # Helpers for subclasses
@@ -599,18 +631,25 @@ class AgentGRPOTrainer(TRLSeams):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        self._scored_next = self.loss_mask(inputs) if scored is None else scored
+        return self.token_logps(
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            compute_entropy=compute_entropy,
+            compute_aux_loss=self.aux_loss_enabled,
+            scored=self.loss_mask(inputs) if scored is None else scored,
+        )
+
+    @contextlib.contextmanager
+    def scoring_loss(self, scored: torch.Tensor):
+        """The log-prob forward that TRL's own loss (`trl_loss`) makes inside this block scores only the positions of
+        `scored` (B, T) (docs/methods/grpo.md D12): TRL calls `token_logps` itself, so the mask cannot be passed."""
+        self._loss_scored = scored
         try:
-            return self.token_logps(
-                model,
-                input_ids,
-                attention_mask,
-                completion_ids.size(1),
-                compute_entropy=compute_entropy,
-                compute_aux_loss=self.aux_loss_enabled,
-            )
+            yield
         finally:
-            self._scored_next = None
+            self._loss_scored = None
 
     def loss_mask(self, inputs: dict) -> torch.Tensor:
         """(B, T) model tokens of the micro-batch: `completion_mask * tool_mask`, as TRL forms it."""
@@ -633,8 +672,18 @@ class AgentGRPOTrainer(TRLSeams):
             return super().train(*args, **kwargs)
 
     def calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's reward columns (N_global, F, gathered across processes), through `shape_rewards`, kept in the
+        generation step once, with this process's rows' weighted rewards, as TRL hands them to its advantages."""
         rewards_per_func = super().calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._rewards_per_func = rewards_per_func  # (N_global, F), gathered across processes by TRL
+        rewards_per_func = self.shape_rewards(rewards_per_func)
+        if self.generation_step is not None:
+            start = self.accelerator.process_index * len(prompts)  # TRL orders the gathered rows by process
+            self.generation_step.take_rewards(rewards_per_func, self.reward_weights, start, len(prompts))
+        return rewards_per_func
+
+    def shape_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        """The gathered reward columns (N_global, F) TRL goes on with (its group normalisation, the rollout batch's
+        rewards). Default: unchanged; X-Tree reweighs its bonus column here."""
         return rewards_per_func
 
     def micro_batch_loss(self, model, inputs):
@@ -659,18 +708,23 @@ class AgentGRPOTrainer(TRLSeams):
         batch_size=None,
         compute_entropy=False,
         compute_aux_loss=False,
+        scored: torch.Tensor | None = None,
         **multimodal,
     ):
         """TRL's log-prob forward, wrapped in `replay_routes` (routing-replay.md Eq. 3) for the policy's own passes.
-        Inside `policy_loss` and `forward_logps` it scores only the loss mask's positions, and in TRL's old and
-        reference passes over a generation batch only the model's tokens (grpo.md D12). A batch padded only on the
-        right runs without a padding mask (D15)."""
+        Only the positions of `scored` (B, T) are projected through the LM head (grpo.md D12): the project's own
+        forwards pass it (`forward_logps`: the loss mask); TRL's loss forward gets the mask `scoring_loss` set, and
+        TRL's old and reference passes over a generation batch the model's tokens of the generation step. A batch
+        padded only on the right runs without a padding mask (D15)."""
         forward = super().token_logps
         settings = (logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal)
-        scored, self._scored_next = self._scored_next, None  # one forward: the loss's own
-        if scored is None and self._batch_env_mask is not None and len(self._batch_env_mask) == input_ids.size(0):
-            T = logits_to_keep  # TRL's old / reference pass: the model's tokens of each row, 0 past its end
-            scored = torch.tensor([m[:T] + [0] * (T - len(m[:T])) for m in self._batch_env_mask], dtype=torch.long)
+        if scored is None:
+            scored, self._loss_scored = self._loss_scored, None  # one forward: the loss's own
+        step = self.generation_step
+        if scored is None and step is not None and step.model_tokens is not None:
+            if len(step.model_tokens) == input_ids.size(0):  # TRL's old / reference pass: 0 past each row's end
+                T = logits_to_keep
+                scored = torch.tensor([m[:T] + [0] * (T - len(m[:T])) for m in step.model_tokens], dtype=torch.long)
         if scored is not None and scored.shape != (input_ids.size(0), logits_to_keep):
             raise RuntimeError(
                 f"loss mask {tuple(scored.shape)} does not cover the forward's completion "
@@ -689,19 +743,25 @@ class AgentGRPOTrainer(TRLSeams):
             return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
 
     def generate_and_score(self, inputs):
-        self._rows = inputs  # agent_loop.trainer_rollouts reads the task of each row from here
+        self.generation_step = GenerationStep(rows=inputs)
+        try:
+            return self._generate_and_score(inputs, self.generation_step)
+        finally:
+            self.generation_step = None
+
+    def _generate_and_score(self, inputs: list[dict], step: GenerationStep) -> dict:
         with self.routing_replay.generation(), cpu_fast_paths():  # nothing replays in generation (routing-replay D7)
             try:
                 out = super().generate_and_score(inputs)
             finally:
-                self._batch_env_mask = None  # set by the rollout function, for the passes inside TRL's method only
+                step.model_tokens = None  # set by the rollout function, for the passes inside TRL's method only
             self.routing_replay.add_routes(out)  # out["routing"] (B, S, L, k), batch-first (routing-replay.md D4)
         self.routing_replay.log_batch_metrics(out)  # routing-replay.md Eq. 8, Eq. 10
         scored = out["completion_mask"] * out["tool_mask"] if out.get("tool_mask") is not None else None
         for key in ("old_per_token_logps", "ref_per_token_logps"):  # 0 off the model's tokens, like the loss's (D12)
             if scored is not None and out.get(key) is not None:
                 out[key] = out[key] * scored
-        batch = self._rollout_batch(inputs, out)
+        batch = self._rollout_batch(inputs, out, step.rewards)
         if self.task_scheduler is not None and self.model.training:
             self._update_scheduler(inputs, batch)
         advantages = self.compute_advantages(batch)
@@ -719,7 +779,7 @@ class AgentGRPOTrainer(TRLSeams):
         self._log_env_metrics(batch)
         if self.args.save_episodes and self.model.training:
             self._save_episodes(batch)
-        self._guard_reward_signal()
+        self._guard_reward_signal(step.rewards_per_func)
         return out
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -768,16 +828,16 @@ class AgentGRPOTrainer(TRLSeams):
     def _rollout_func(self, prompts: list, trainer) -> dict[str, list]:
         """TRL's `rollout_func`: the agent loop; route records stay on the trainer, where the old-log-prob pass that
         TRL runs before merging rollout fields into the rows finds them (routing-replay.md D7)."""
-        rollouts = agent_loop.trainer_rollouts(prompts, self)
+        rollouts = agent_loop.trainer_rollouts(prompts, self, self.generation_step.rows)
         self.routing_replay.take_rollouts(rollouts)  # keeps the route records (routing-replay.md §3), logs Eq. 11
-        self._batch_env_mask = [r.env_mask for r in rollouts]  # TRL's old and reference passes score these (D12)
+        self.generation_step.model_tokens = [r.env_mask for r in rollouts]  # what TRL's old and reference passes score
         return agent_loop.to_trl(rollouts)
 
     def _first_micro_step(self) -> bool:
         return self.micro_step % self.current_gradient_accumulation_steps == 0
 
     # ----------------------------------------------------------------------------------------------------------------
-    def _rollout_batch(self, inputs: list[dict], out: dict) -> RolloutBatch:
+    def _rollout_batch(self, inputs: list[dict], out: dict, rewards: torch.Tensor) -> RolloutBatch:
         device = self.accelerator.device
         completion_ids, completion_mask = out["completion_ids"], out["completion_mask"]
         B, T = completion_ids.shape
@@ -801,12 +861,7 @@ class AgentGRPOTrainer(TRLSeams):
             turn_valid[b, :n] = True
             if r:
                 turn_rewards[b, : len(r)] = torch.tensor(r, dtype=torch.float64, device=device)
-        # rewards as TRL weighs them, sliced to this process (TRL's own slice, grpo_trainer.py:2813)
-        rpf = self._rewards_per_func
-        rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
-        rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
         start = self.accelerator.process_index * B
-        rewards = rewards[start : start + B]
         num_generations = self.num_generations if self.model.training else self.num_generations_eval
         group_ids = torch.arange(start, start + B, device=device) // num_generations
         return RolloutBatch(
@@ -905,12 +960,11 @@ class AgentGRPOTrainer(TRLSeams):
         with open(path, "a") as f:
             f.write("".join(line + "\n" for line in lines))
 
-    def _guard_reward_signal(self) -> None:
+    def _guard_reward_signal(self, rpf: torch.Tensor) -> None:
         """Log `reward/unscorable_frac` (rollouts for which every reward function returned None, over all processes)
         and stop the run, after saving a checkpoint, when it stays above `max_unscorable_frac` for
         `unscorable_patience` training batches in a row. Every process sees the same gathered rewards, so all stop
         together."""
-        rpf = self._rewards_per_func  # (N_global, F), gathered by TRL
         frac = torch.isnan(rpf).all(dim=1).float().mean().item() if len(rpf) else 0.0
         self.log_metric("reward/unscorable_frac", frac)
         if not self.model.training:

@@ -507,16 +507,16 @@ class XTreeTrainer(AgentGRPOTrainer):
              sum(self.tree.depth(s) for s, _, _ in tiling) / len(tiling) if tiling else 0.0)
         )  # fmt: skip
 
-    def calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        self._tiling_stats = []
-        rewards = super().calculate_rewards(inputs, prompts, completions, completion_ids_list)
+    def shape_rewards(self, rewards):
+        """Use (b): the bonus column reweighed per group (the gathered reward columns, after TRL's reward functions
+        ran and before its group normalisation)."""
+        tiling, self._tiling_stats = self._tiling_stats, []  # what this batch's bonus function recorded
         if self.args.xtree_use != "bonus":
             return rewards
         a = self.args
         group = self.num_generations if self.model.training else self.num_generations_eval
         shaped = xtree.shape_rewards(rewards, group, a.xtree_lambda0, a.xtree_w_max, a.xtree_c,
                                      a.xtree_success_threshold, a.xtree_success_dominance)  # fmt: skip
-        self._rewards_per_func = shaped.rewards
         raw = torch.nan_to_num(rewards[:, 1].double())
         verifier = torch.nan_to_num(rewards[:, 0].double())
         total = verifier + shaped.rewards[:, 1].double()
@@ -530,7 +530,7 @@ class XTreeTrainer(AgentGRPOTrainer):
         self.log_metric("xtree/bonus_var_share", (var_bonus / var_total).item() if var_total > 0 else 0.0)
         self.log_metric("xtree/bonus_inversions", float(shaped.inversions))
         self.log_metric("xtree/verifier_success", (verifier >= a.xtree_success_threshold).double().mean().item())
-        stats = gather_object(self._tiling_stats)
+        stats = gather_object(tiling)
         if stats:
             self.log_metric("xtree/rollout_coverage", sum(c for c, _ in stats) / len(stats))
             self.log_metric("xtree/rollout_tile_depth", sum(d for _, d in stats) / len(stats))
