@@ -17,7 +17,7 @@ Reported, sampled and greedy: success, reward, turns, and per k = 1, 2, 4, ... u
    tasks; pass@1 is the success rate;
 2. pass^k, the chance that all k succeed: per task C(c, k) / C(n, k) (https://huggingface.co/papers/2406.12045),
    averaged; pass^K is train.py's `pass^K`.
-A single-turn completion succeeds when every reward function is positive (`agent_loop.prompt_outcomes`, as train.py).
+A single-turn completion succeeds when every reward function is positive (`agent_trl.evaluation.prompt_outcomes`, as train.py).
 
 Written into `--out` (default `<model folder>/evaluation/`; `runs/evaluation/<name>` for a name that is no folder):
 `evaluation.json` (every number, the settings, the model, the versions), `transcripts.jsonl` (one line per episode)
@@ -45,14 +45,21 @@ from trl import TrlParser  # noqa: E402
 
 import train  # noqa: E402
 from agent_trl.config_file import join_negative_numbers  # noqa: E402
-from agent_trl.evaluation import loop_settings, prompt_sampling  # noqa: E402
+from agent_trl.evaluation import (  # noqa: E402  # noqa: E402
+    evaluation_metrics,
+    loop_settings,
+    play_tasks,
+    prompt_metrics,
+    prompt_outcomes,
+    prompt_sampling,
+    score_prompts,
+)
 from agent_trl.preflight import model_problem  # noqa: E402
 from agent_trl.real_model import is_real  # noqa: E402
 from agent_trl.resume import checkpoints  # noqa: E402
 from agent_trl.run_info import resolve_model, versions  # noqa: E402
 from agent_trl.sources import Sources, load_sources  # noqa: E402
 from envs.tiny import is_tiny  # noqa: E402
-from trainers.agent_loop import evaluation_metrics, play_tasks, prompt_metrics, prompt_outcomes, score_prompts  # noqa: E402
 
 FILES = ("evaluation.json", "transcripts.jsonl", "evaluation.png")
 

@@ -24,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed  # noqa: E402
 
+from agent_trl.evaluation import evaluate
 from bench.record import RESULTS, write_result  # noqa: E402
 from envs import ENVIRONMENTS  # noqa: E402
 from envs.tiny import tiny_model  # noqa: E402
-from trainers.agent_loop import LoopSettings, evaluate  # noqa: E402
+from trainers.agent_loop import LoopSettings  # noqa: E402
 
 
 def with_plan(cls: type):

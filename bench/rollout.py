@@ -13,7 +13,7 @@ rows: the whole rollout phase of a GRPO step (environment reset, prompt renderin
 reward, padding), without the optimizer step. Ours is `AgentGRPOTrainer(env_factory=lambda row: ToolEnv(ShopTools))`,
 whose `rollout_func` runs `trainers/agent_loop.play` (which also computes sampling log-probs); TRL's is
 `GRPOTrainer(environment_factory=ShopTools)`. Two more arms show where ours gains: ours sampling through
-transformers' `model.generate` instead of its own decode loop (`agent_loop.sample_tokens`), and ours with
+transformers' `model.generate` instead of its own decode loop (`trainers.generation.sample_tokens`), and ours with
 `reuse_kv_cache: false` (each turn prefills the whole context again). The loops alternate `--repeats` times
 after one untimed warm-up call each, and the table reports ratios of the median times. Success =
 `ShopTools.get_reward() == 1.0` (all five attributes), read from the environment instances of each loop; turns = runs

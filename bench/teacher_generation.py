@@ -76,16 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from agent_trl.evaluation import play_tasks
     from envs import ENVIRONMENTS
     from envs.tiny import tiny_model
-    from trainers.agent_loop import (
-        LoopSettings,
-        left_padded,
-        logits_processors,
-        play_tasks,
-        sample_after_prefixes,
-        shared_prefixes,
-    )
+    from trainers.agent_loop import LoopSettings
+    from trainers.generation import left_padded, logits_processors, sample_after_prefixes, shared_prefixes
     from trainers.trl_api import cpu_fast_paths
 
     folder = tiny_model("tiny:terminal", difficulty=args.difficulty, guidance_frac=0.5)

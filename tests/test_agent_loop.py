@@ -4,7 +4,8 @@ import pytest
 import torch
 from conftest import EchoEnv
 
-from trainers.agent_loop import LoopSettings, hf_generate, observation_text, play, render_prompt_ids
+from trainers.agent_loop import LoopSettings, observation_text, play, render_prompt_ids
+from trainers.generation import hf_generate
 
 
 def scripted(tokenizer, answer=lambda word: word, close=True, calls=None):
@@ -192,15 +193,15 @@ def test_own_decode_loop_plays_the_episodes_of_transformers_generate(tiny_tokeni
     with the same KV reuse across turns: same ids, same log-probs up to float rounding; the own loop really ran."""
     from transformers import AutoModelForCausalLM
 
-    from trainers import agent_loop
+    from trainers import generation
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
     tasks = episodes(6, seed=3)
     settings = LoopSettings(max_turn_tokens=5, max_completion_length=80)
-    assert agent_loop.growing_cache(model) is not None
+    assert generation.growing_cache(model) is not None
     own = play(hf_generate(model, tiny_tokenizer, do_sample=False), tiny_tokenizer, [EchoEnv() for _ in tasks], tasks,
                settings=settings)  # fmt: skip
-    monkeypatch.setattr(agent_loop, "growing_cache", lambda model: None)
+    monkeypatch.setattr(generation, "growing_cache", lambda model: None)
     calls = []
     real_generate = model.generate
     monkeypatch.setattr(model, "generate", lambda *a, **k: calls.append(1) or real_generate(*a, **k))
@@ -242,7 +243,7 @@ def test_sampler_draws_from_the_processed_distribution():
     """20000 rows drawn once from fixed logits under temperature 0.5 and top-k 3: each token's frequency is within 5
     standard errors of its probability, computed here by hand (softmax of logits / 0.5 over the three largest), tokens
     outside the top 3 never appear, and the returned log-probs are the logs of those probabilities."""
-    from trainers.agent_loop import logits_processors, sample_tokens
+    from trainers.generation import logits_processors, sample_tokens
 
     logits = torch.tensor([1.0, 0.2, -0.5, 0.9, -3.0, 0.1])
     kept = [0, 3, 1]  # the three largest
@@ -266,7 +267,7 @@ def test_sampler_draws_from_the_processed_distribution():
 def test_sampler_stops_when_every_row_has_ended_and_pads_after_the_end():
     """Greedy rows over scripted logits: step 0 picks 1, step 1 picks the end id 4, step 2 would pick 2. Row ends come
     at step 1, so the loop stops there (two new ids, not the cap of 5), and a row that ended is continued with pad."""
-    from trainers.agent_loop import logits_processors, sample_tokens
+    from trainers.generation import logits_processors, sample_tokens
 
     table = [torch.eye(6)[1] * 5, torch.eye(6)[4] * 5, torch.eye(6)[2] * 5]
     model = FixedLogits(table)
@@ -292,7 +293,7 @@ def test_branches_after_shared_prefixes_equal_each_context_alone(tiny_model_fold
     feeds fewer positions than the separate prefills do."""
     from transformers import AutoModelForCausalLM
 
-    from trainers.agent_loop import logits_processors, sample_after_prefixes, sample_tokens, shared_prefixes
+    from trainers.generation import logits_processors, sample_after_prefixes, sample_tokens, shared_prefixes
     from trainers.trl_api import growing_cache
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
@@ -328,7 +329,7 @@ def test_branch_history_holds_only_its_context(tiny_model_folder):
     from transformers import AutoModelForCausalLM
     from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
-    from trainers.agent_loop import sample_after_prefixes
+    from trainers.generation import sample_after_prefixes
 
     class Reads(LogitsProcessor):
         def __init__(self):
@@ -351,7 +352,7 @@ def test_branches_past_the_deadline_are_empty(tiny_model_folder):
     """A deadline already past: no call starts, every branch gets no ids; a branch outside its sequence is refused."""
     from transformers import AutoModelForCausalLM
 
-    from trainers.agent_loop import logits_processors, sample_after_prefixes
+    from trainers.generation import logits_processors, sample_after_prefixes
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
     greedy = logits_processors(do_sample=False)
@@ -364,7 +365,7 @@ def test_branches_past_the_deadline_are_empty(tiny_model_folder):
 def test_sampler_stops_after_the_step_that_passes_its_deadline():
     """Rows that would never end (no end id in the scripted logits) stop after the first step when the deadline is
     already past: one new id each, not the cap of 5, so callers see them unfinished; without a deadline all 5 come."""
-    from trainers.agent_loop import logits_processors, sample_tokens
+    from trainers.generation import logits_processors, sample_tokens
 
     ids, mask = torch.tensor([[3, 3], [3, 3]]), torch.ones(2, 2, dtype=torch.long)
     greedy = logits_processors(do_sample=False)
@@ -436,7 +437,7 @@ def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse(monke
 
     from envs.shop import ShopEnv
     from envs.tiny import shipped_build
-    from trainers import agent_loop, trl_api
+    from trainers import generation, trl_api
 
     folder = shipped_build()
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -446,11 +447,11 @@ def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse(monke
     tok = AutoTokenizer.from_pretrained(folder)
     tasks = ShopEnv.make_tasks("eval", 12, seed=0)
     settings = LoopSettings(max_turn_tokens=16, max_completion_length=200)
-    own_cache = agent_loop.growing_cache
+    own_cache = generation.growing_cache
     for penalty in (1.0, 1.5):  # with a repetition penalty the processors read each decoded row's history
         runs = {}
         for name in ("own", "generate"):
-            monkeypatch.setattr(agent_loop, "growing_cache", own_cache if name == "own" else lambda model: None)
+            monkeypatch.setattr(generation, "growing_cache", own_cache if name == "own" else lambda model: None)
             gen = hf_generate(model, tok, do_sample=False, repetition_penalty=penalty)
             runs[name] = play(gen, tok, [ShopEnv() for _ in tasks], tasks, settings=settings)
         assert len({len(r.turn_rewards) for r in runs["own"]}) > 1  # episodes of different lengths
@@ -458,7 +459,7 @@ def test_own_decode_loop_on_a_trained_model_with_left_padding_and_kv_reuse(monke
         for a, b in zip(runs["own"], runs["generate"], strict=True):
             assert a.completion_ids == b.completion_ids
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
-    monkeypatch.setattr(agent_loop, "growing_cache", own_cache)
+    monkeypatch.setattr(generation, "growing_cache", own_cache)
     torch.manual_seed(0)
     sampled = play(hf_generate(model, tok), tok, [ShopEnv() for _ in tasks], tasks, settings=settings)
     for r in sampled:
@@ -494,7 +495,7 @@ def test_rows_leave_the_batch_only_after_their_end_id_is_written():
     and had their end id fed, so the batch narrows, but row 2, which ends at that very step, stays one step more so
     that its end id is written; row 3 goes on alone. After the call every row's cache holds its context and each id it
     keeps (up to and including its end id), then zeros; the cache spans S + t - 1 positions."""
-    from trainers.agent_loop import logits_processors, sample_tokens
+    from trainers.generation import logits_processors, sample_tokens
     from trainers.trl_api import GrowingLayer
 
     script = [[9], [9], [5, 9], [6, 7, 8, 6, 9]]
@@ -523,7 +524,7 @@ def test_a_model_sharded_over_processes_is_sampled_by_generate(tiny_tokenizer, t
     import transformers.integrations.deepspeed as deepspeed
     from transformers import AutoModelForCausalLM
 
-    from trainers import agent_loop
+    from trainers import generation
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_folder).eval()
     calls, real_generate = [], model.generate
@@ -531,11 +532,11 @@ def test_a_model_sharded_over_processes_is_sampled_by_generate(tiny_tokenizer, t
     monkeypatch.setattr(model, "generate", unsynced)
     context = [tiny_tokenizer("say apple", add_special_tokens=False)["input_ids"]]
     monkeypatch.setattr(deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
-    assert not agent_loop.sharded_across_processes(model)  # ZeRO-3 on one process: nothing to keep in step
+    assert not generation.sharded_across_processes(model)  # ZeRO-3 on one process: nothing to keep in step
     hf_generate(model, tiny_tokenizer, do_sample=False)(context, 3)
     assert not calls
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    assert agent_loop.sharded_across_processes(model)
+    assert generation.sharded_across_processes(model)
     hf_generate(model, tiny_tokenizer, do_sample=False)(context, 3)
     assert calls

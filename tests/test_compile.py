@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainers.agent_loop import LoopSettings, hf_generate, play
+from trainers.agent_loop import LoopSettings, play
+from trainers.generation import hf_generate
 
 
 def shipped_shop_agent():

@@ -14,7 +14,7 @@ from conftest import WORDS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
-from trainers.agent_loop import evaluate_prompts
+from agent_trl.evaluation import evaluate_prompts
 
 RUN = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2"]
 RUN += ["--learning_rate", "1e-3", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none"]

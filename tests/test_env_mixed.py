@@ -44,8 +44,9 @@ def test_held_out_success_is_reported_per_environment(tiny_model_folder, monkeyp
     all succeed, search tasks half, terminal tasks none), so the expected means are known by hand."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainers import agent_loop
-    from trainers.agent_loop import LoopSettings, Rollout, evaluate
+    from agent_trl import evaluation
+    from agent_trl.evaluation import evaluate
+    from trainers.agent_loop import LoopSettings, Rollout
 
     tasks = MixedEnv.make_tasks("eval", 12, seed=0)  # 4 per environment
     wins = {"shop": [True] * 4, "search": [True, False, True, False], "terminal": [False] * 4}
@@ -55,7 +56,7 @@ def test_held_out_success_is_reported_per_environment(tiny_model_folder, monkeyp
     def scripted(generate, tokenizer, envs, chunk, prompts=None, settings=None, **kw):
         return [Rollout(prompt_ids=[0], success=outcome[t["task_id"]], turn_rewards=[1.0]) for t in chunk]
 
-    monkeypatch.setattr(agent_loop, "play", scripted)
+    monkeypatch.setattr(evaluation, "play", scripted)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
     tok = AutoTokenizer.from_pretrained(tiny_model_folder, padding_side="left")
     out = evaluate(model, tok, MixedEnv, tasks, LoopSettings(4, 40, 2), progress=False)

@@ -1,4 +1,4 @@
-"""`trainers.agent_loop.evaluate`, which produces every held-out number train.py reports: success, reward, pass^k and
+"""`agent_trl.evaluation.evaluate`, which produces every held-out number train.py reports: success, reward, pass^k and
 turns over `samples` episodes per task, counted here by hand for a scripted policy on the echo environment; and on
 the tiny model, greedy evaluation is deterministic."""
 
@@ -12,8 +12,9 @@ import torch
 from conftest import EchoEnv
 from transformers import AutoModelForCausalLM
 
-from trainers import agent_loop
-from trainers.agent_loop import LoopSettings, evaluate
+from agent_trl import evaluation
+from agent_trl.evaluation import evaluate
+from trainers.agent_loop import LoopSettings
 
 # distinct first words, so each task's first context is its own
 TASKS = [
@@ -64,7 +65,7 @@ def tiny_model(tiny_model_folder):
 
 def test_evaluate_counts_success_reward_and_pass_k(tiny_model, tiny_tokenizer, monkeypatch):
     backend = ScriptedBackend()
-    monkeypatch.setattr(agent_loop, "hf_generate", backend)
+    monkeypatch.setattr(evaluation, "hf_generate", backend)
     tiny_model.train()
     kw = dict(settings=SETTINGS, progress=False)
     # batches of 3 split the two episodes of t1 and of t4 across generate calls
@@ -87,8 +88,8 @@ def test_evaluate_counts_success_reward_and_pass_k(tiny_model, tiny_tokenizer, m
 
 def test_greedy_evaluation_of_the_tiny_model_is_deterministic(tiny_model, tiny_tokenizer, monkeypatch):
     played: list = []
-    real_play = agent_loop.play
-    monkeypatch.setattr(agent_loop, "play", lambda *a, **k: played.append(real_play(*a, **k)) or played[-1])
+    real_play = evaluation.play
+    monkeypatch.setattr(evaluation, "play", lambda *a, **k: played.append(real_play(*a, **k)) or played[-1])
     tasks = EchoEnv.make_tasks("eval", 6)
 
     def run(seed: int, **kw) -> tuple[dict, list]:

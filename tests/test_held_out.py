@@ -1,4 +1,4 @@
-"""`agent_trl.evaluation.held_out`: what the before/after evaluation hands to `trainers.agent_loop.evaluate` (with an
+"""`agent_trl.evaluation.held_out`: what the before/after evaluation hands to `agent_trl.evaluation.evaluate` (with an
 environment) or `evaluate_prompts` (single-turn), sampled and greedy (the evaluators themselves:
 tests/test_evaluate.py)."""
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import train
-from agent_trl.evaluation import held_out_logs
-from trainers.agent_loop import prompt_metrics, prompt_outcomes
+from agent_trl.evaluation import held_out_logs, prompt_metrics, prompt_outcomes
 
 
 def test_success_is_every_reward_positive_unless_a_threshold_is_set():

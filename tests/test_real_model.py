@@ -30,7 +30,8 @@ from agent_trl import real_model as rm
 from agent_trl.export import export
 from agent_trl.play import play_episode
 from envs.sources import load_environment
-from trainers.agent_loop import LoopSettings, hf_generate, play, with_system
+from trainers.agent_loop import LoopSettings, play, with_system
+from trainers.generation import hf_generate
 
 ROOT = Path(__file__).resolve().parent.parent
 GUESS = "textarena:GuessTheNumber-v0"

@@ -14,7 +14,8 @@ from agent_trl.play import play_episode
 from agent_trl.served import serve
 from envs.shop import ShopEnv
 from envs.tiny import shipped_build
-from trainers.agent_loop import LoopSettings, hf_generate, play
+from trainers.agent_loop import LoopSettings, play
+from trainers.generation import hf_generate
 
 TURN_TOKENS = 24  # the quickstart's max_turn_tokens
 

@@ -9,8 +9,9 @@ from conftest import EchoEnv
 from transformers import AutoModelForCausalLM
 
 from agent_trl.arguments import RunArguments
+from agent_trl.evaluation import play_tasks
 from agent_trl.sources import load_sources
-from trainers.agent_loop import play_tasks, with_system
+from trainers.agent_loop import with_system
 
 SYSTEM = "Reply with one word."
 

@@ -72,8 +72,9 @@ def test_a_rebuild_reproduces_the_shipped_build(tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agent_trl.evaluation import evaluate
     from envs.shop import ShopEnv
-    from trainers.agent_loop import LoopSettings, evaluate
+    from trainers.agent_loop import LoopSettings
 
     monkeypatch.setenv("AGENT_TRL_CACHE", str(tmp_path))
     monkeypatch.setattr(tiny, "SHIPPED", tmp_path / "nothing-shipped")

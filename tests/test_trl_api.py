@@ -264,7 +264,8 @@ def test_held_out_evaluation_runs_with_the_switches(tiny_model_folder):
     from conftest import EchoEnv
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainers.agent_loop import LoopSettings, evaluate
+    from agent_trl.evaluation import evaluate
+    from trainers.agent_loop import LoopSettings
 
     own, seen = switches(), []
 

@@ -154,7 +154,7 @@ def test_rollout_fields_reach_the_batch_under_the_names_base_reads(tiny_model_fo
 def test_private_helpers_are_pinned():
     """TRL helpers outside the trainer class that the project calls, with the parameters it passes."""
     from trl.chat_template_utils import qwen3_template  # envs/shop_tools.py: the response template of tool calls
-    from trl.generation.vllm_generation import VLLMGeneration  # trainers/agent_loop.py: vllm_generate
+    from trl.generation.vllm_generation import VLLMGeneration  # trainers/generation.py: vllm_generate
     from trl.models import unwrap_model_for_generation  # trainers/agent_loop.py: trainer_rollouts
     from trl.trainer.utils import get_config_model_id  # trainers/base.py: as_config names the default config
 

@@ -41,17 +41,17 @@ from torch import Tensor
 
 from envs.base import skill_card
 from rewards.judge import strip_reasoning
-from trainers.agent_loop import (
+from trainers.agent_loop import render_prompt_ids
+from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
+from trainers.credit import credit_metrics, redistribute_multiplicative, turn_token_counts
+from trainers.encoder import build_encoder, calibration
+from trainers.generation import (
     left_padded,
     logits_processors,
-    render_prompt_ids,
     sample_after_prefixes,
     sharded_across_processes,
     shared_prefixes,
 )
-from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
-from trainers.credit import credit_metrics, redistribute_multiplicative, turn_token_counts
-from trainers.encoder import build_encoder, calibration
 from trainers.teacher import score_after_prefixes, teacher_logps, with_privileged_block
 from trainers.trl_api import growing_cache, unwrap_model_for_generation
 

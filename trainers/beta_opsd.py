@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from trainers.agent_loop import left_padded, render_prompt_ids
+from trainers.agent_loop import render_prompt_ids
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
+from trainers.generation import left_padded
 from trainers.teacher import POSITIONS, initial_context, plain_logps, teacher_logps, with_privileged_block
 from trainers.trl_api import (
     add_fused_lm_head,

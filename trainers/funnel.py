@@ -33,8 +33,9 @@ import torch
 from torch import Tensor
 
 from rewards.judge import APIModelFields
-from trainers.agent_loop import left_padded, render_prompt_ids
+from trainers.agent_loop import render_prompt_ids
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
+from trainers.generation import left_padded
 from trainers.teacher import POSITIONS, with_privileged_block
 from trainers.trl_api import chunked_divergence, use_adapter
 

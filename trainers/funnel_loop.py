@@ -35,7 +35,7 @@ import torch
 
 from envs.base import row_task
 from rewards.judge import Judge
-from trainers.agent_loop import LoopSettings, hf_generate, play
+from trainers.agent_loop import LoopSettings, play
 from trainers.funnel import EDITOR, FunnelConfig, FunnelTrainer, paired_gate, selection_weights
 from trainers.funnel_state import (
     CardEditor,
@@ -47,6 +47,7 @@ from trainers.funnel_state import (
     state_tokens,
     task_family,
 )
+from trainers.generation import hf_generate
 from trainers.reporting import plot_curves
 from trainers.teacher import with_privileged_block
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainers.agent_loop import left_padded, render_prompt_ids
+from trainers.agent_loop import render_prompt_ids
+from trainers.generation import left_padded
 from trainers.trl_api import use_adapter
 
 SOURCES = ("policy", "reference", "initial")
