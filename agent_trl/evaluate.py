@@ -17,7 +17,8 @@ Reported, sampled and greedy: success, reward, turns, and per k = 1, 2, 4, ... u
    tasks; pass@1 is the success rate;
 2. pass^k, the chance that all k succeed: per task C(c, k) / C(n, k) (https://huggingface.co/papers/2406.12045),
    averaged; pass^K is train.py's `pass^K`.
-A single-turn completion succeeds when every reward function is positive (`agent_trl.evaluation.prompt_outcomes`, as train.py).
+A single-turn completion succeeds when every reward function is positive (`agent_trl.evaluation.prompt_outcomes`,
+as train.py).
 
 Written into `--out` (default `<model folder>/evaluation/`; `runs/evaluation/<name>` for a name that is no folder):
 `evaluation.json` (every number, the settings, the model, the versions), `transcripts.jsonl` (one line per episode)

@@ -23,6 +23,7 @@ from conftest import CPU_ARGS, EchoEnv
 from datasets import Dataset
 
 import trainers.alignopsd as alignopsd_module
+import trainers.generation as generation
 from trainers import agent_loop
 from trainers.alignopsd import AlignOPSDConfig, AlignOPSDTrainer, thinking_text, visible_text
 from trainers.teacher import score_after_prefixes, teacher_logps
@@ -577,10 +578,10 @@ def test_teacher_generation_text_is_parsed(setup, monkeypatch, match_on, generat
     real = trainer.encoder.encode
     monkeypatch.setattr(trainer.encoder, "encode", lambda texts: encoded.append(list(texts)) or real(texts))
     if path == "generate":
-        monkeypatch.setattr(alignopsd_module, "growing_cache", lambda model: None)
+        monkeypatch.setattr(generation, "growing_cache", lambda model: None)
         monkeypatch.setattr(trainer.model, "generate", fake_generate)
     else:
-        monkeypatch.setattr(alignopsd_module, "sample_after_prefixes", fake_branches)
+        monkeypatch.setattr(generation, "sample_after_prefixes", fake_branches)
     monkeypatch.setattr(trainer.args, "alignopsd_match_on", match_on)
     monkeypatch.setattr(trainer, "_calibrated", True)
     trainer._metrics["train"].clear()
@@ -604,7 +605,7 @@ def test_teacher_turns_branch_from_one_prefill_per_episode(setup, monkeypatch):
     and each generation ends within the 4-token limit or by an end id; nothing times out."""
     trainer, batch, _ = setup
     seen = []
-    real = alignopsd_module.sample_after_prefixes
+    real = generation.sample_after_prefixes
 
     def recording(model, sequences, branches, *args, **kwargs):
         seen.append((sequences, branches))
@@ -612,7 +613,7 @@ def test_teacher_turns_branch_from_one_prefill_per_episode(setup, monkeypatch):
 
     contexts = []
     real_generate = AlignOPSDTrainer.teacher_generate.__get__(trainer)
-    monkeypatch.setattr(alignopsd_module, "sample_after_prefixes", recording)
+    monkeypatch.setattr(generation, "sample_after_prefixes", recording)
     monkeypatch.setattr(trainer, "teacher_generate", lambda cs: contexts.extend(cs) or real_generate(cs))
     monkeypatch.setattr(trainer, "_calibrated", True)
     trainer._metrics["train"].clear()

@@ -45,15 +45,9 @@ from trainers.agent_loop import render_prompt_ids
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer, RolloutBatch
 from trainers.credit import credit_metrics, redistribute_multiplicative, turn_token_counts
 from trainers.encoder import build_encoder, calibration
-from trainers.generation import (
-    left_padded,
-    logits_processors,
-    sample_after_prefixes,
-    sharded_across_processes,
-    shared_prefixes,
-)
+from trainers.generation import sample_continuations
 from trainers.teacher import score_after_prefixes, teacher_logps, with_privileged_block
-from trainers.trl_api import growing_cache, unwrap_model_for_generation
+from trainers.trl_api import unwrap_model_for_generation
 
 logger = logging.getLogger(__name__)
 
@@ -480,51 +474,24 @@ class AlignOPSDTrainer(AgentGRPOTrainer):
         """One free teacher generation per context (alignopsd.md Eq. 2), at the rollout's sampling settings, in chunks,
         under the step's deadline; an unfinished generation gives ''. Returns texts, timeouts, generated tokens.
 
-        The contexts of one episode's turns extend one another, so on a plain decoder they are sampled as branches of
-        one sequence (`shared_prefixes`, `sample_after_prefixes`): each chunk prefills an episode once and every turn
-        branches from its cache. Prefilling every context alone cost a step of a 20-turn episode batch seven times
-        GRPO's (bench/results/terminal_level2_guided/alignopsd_s0_stopped). Other models (sliding-window or
-        linear-attention layers, weights sharded over processes) go through `generate`, a context a row."""
-        from transformers import GenerationConfig
-
+        The generation engine's `sample_continuations` samples them. The contexts of one episode's turns extend one
+        another, so on a plain decoder they are sampled as branches of one sequence: each chunk prefills an episode
+        once and every turn branches from its cache. Prefilling every context alone cost a step of a 20-turn episode
+        batch seven times GRPO's (bench/results/terminal_level2_guided/alignopsd_s0_stopped). Other models
+        (sliding-window or linear-attention layers, weights sharded over processes) go through `generate`, a context a
+        row."""
         args, tok = self.args, getattr(self.processing_class, "tokenizer", self.processing_class)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         eos = sorted(set(self.eos_token_ids or [tok.eos_token_id]))
         limit = args.alignopsd_teacher_max_tokens
         texts, timeouts, tokens = [""] * len(contexts), 0, 0
-        start, size = time.monotonic(), args.alignopsd_teacher_batch_size or args.per_device_train_batch_size
-        generated: list[list[int] | None] = [None] * len(contexts)  # None: the chunk never started
+        size = args.alignopsd_teacher_batch_size or args.per_device_train_batch_size
+        sampling = dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        sampling["repetition_penalty"] = self.repetition_penalty
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as model:
-            if contexts and growing_cache(model) is not None and not sharded_across_processes(model):
-                sequences, branches = shared_prefixes(contexts)
-                processors = logits_processors(
-                    self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
-                )
-                out = sample_after_prefixes(
-                    model, sequences, branches, limit, processors, True, eos, pad, size,
-                    deadline=start + args.alignopsd_teacher_deadline,
-                )  # fmt: skip
-                generated = [ids for ids, _ in out]
-            else:
-                for s in range(0, len(contexts), size):
-                    left = args.alignopsd_teacher_deadline - (time.monotonic() - start)
-                    if left <= 0:
-                        break
-                    ids, mask = left_padded(contexts[s : s + size], pad, self.accelerator.device)
-                    config = GenerationConfig(
-                        do_sample=True,
-                        temperature=self.temperature,
-                        top_p=self.top_p,
-                        top_k=self.top_k,
-                        min_p=self.min_p,
-                        repetition_penalty=self.repetition_penalty,
-                        max_new_tokens=limit,
-                        pad_token_id=pad,
-                        eos_token_id=eos,
-                        max_time=left,
-                    )
-                    new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-                    generated[s : s + len(new)] = new[:, ids.shape[1] :].tolist()
+            generated = sample_continuations(
+                model, contexts, limit, eos, pad, size, time.monotonic() + args.alignopsd_teacher_deadline, **sampling
+            )
         for i, row in enumerate(generated):
             cut = next((k for k, t in enumerate(row or []) if t in eos), None)
             if cut is None and len(row or []) < limit:

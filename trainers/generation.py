@@ -431,3 +431,56 @@ def vllm_generate(trainer) -> GenerateFn:
         ]
 
     return generate
+
+
+def sample_continuations(
+    model,
+    contexts: list[list[int]],
+    max_new_tokens: int,
+    eos: list[int],
+    pad: int,
+    batch_size: int,
+    deadline: float,
+    temperature: float = 1.0,
+    top_k: int | None = 0,
+    top_p: float = 1.0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+) -> list[list[int] | None]:
+    """One sampled continuation of each context (up to `max_new_tokens`, its end id kept), `batch_size` at a time,
+    until `deadline` (a `time.monotonic()` value): the ids of each, or None for a context whose chunk never started.
+
+    Contexts that extend one another (the turns of one episode) are sampled as branches of one sequence on a plain
+    decoder (`shared_prefixes`, `sample_after_prefixes`): each chunk prefills an episode once and every turn branches
+    from its cache. Other models (sliding-window or linear-attention layers, weights sharded over processes) go
+    through `model.generate`, a context a row, each chunk capped by the time left."""
+    from transformers import GenerationConfig
+
+    generated: list[list[int] | None] = [None] * len(contexts)
+    if contexts and growing_cache(model) is not None and not sharded_across_processes(model):
+        sequences, branches = shared_prefixes(contexts)
+        processors = logits_processors(temperature, top_k, top_p, min_p, repetition_penalty)
+        out = sample_after_prefixes(
+            model, sequences, branches, max_new_tokens, processors, True, eos, pad, batch_size, deadline=deadline
+        )
+        return [ids for ids, _ in out]
+    for s in range(0, len(contexts), batch_size):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ids, mask = left_padded(contexts[s : s + batch_size], pad, model.device)
+        config = GenerationConfig(
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=eos,
+            max_time=left,
+        )
+        new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        generated[s : s + len(new)] = new[:, ids.shape[1] :].tolist()
+    return generated
