@@ -19,17 +19,8 @@ def distinct_chars(completions, **kwargs):
 
 
 def _config(cls, tmp_path, **kw):
-    return cls(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-3,
-        **CPU_ARGS,
-        max_steps=1,
-        disable_dropout=True,
-        **kw,
-    )
+    fields = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, learning_rate=1e-3)
+    return cls(output_dir=str(tmp_path), **CPU_ARGS, max_steps=1, disable_dropout=True, **(fields | kw))
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "none"])
@@ -39,13 +30,13 @@ def test_default_hooks_reproduce_stock_grpo(tiny_model_folder, tmp_path, scale_r
         model=tiny_model_folder,
         reward_funcs=[distinct_chars],
         train_dataset=data,
-        args=_config(GRPOConfig, tmp_path / "a", scale_rewards=scale_rewards),
+        args=_config(GRPOConfig, tmp_path / "a", scale_rewards=scale_rewards, max_completion_length=64),
     )
     ours = AgentGRPOTrainer(
         model=tiny_model_folder,
         reward_funcs=[distinct_chars],
         train_dataset=data,
-        args=_config(AgentGRPOConfig, tmp_path / "b", scale_rewards=scale_rewards),
+        args=_config(AgentGRPOConfig, tmp_path / "b", scale_rewards=scale_rewards, max_completion_length=64),
     )
     rows = [{"prompt": f"say {w}"} for w in ["apple", "apple", "apple", "apple", "river", "river", "river", "river"]]
     torch.manual_seed(123)
@@ -57,6 +48,7 @@ def test_default_hooks_reproduce_stock_grpo(tiny_model_folder, tmp_path, scale_r
     assert out["advantages"].shape == out["completion_ids"].shape  # (B, T)
     expected = ref["advantages"].unsqueeze(1).expand_as(out["advantages"])
     torch.testing.assert_close(out["advantages"][mask], expected[mask], rtol=1e-6, atol=1e-7)  # conventions.md C1
+    assert (~mask).any()  # 64 tokens: some completions end early, so the batch has padding to check
     assert (out["advantages"][~mask] == 0).all()
     assert ref["advantages"].abs().sum() > 0  # the comparison is not between two zero tensors
     loss_ref = stock.compute_loss(stock.model, ref)
