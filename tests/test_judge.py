@@ -566,7 +566,7 @@ def test_undecodable_response_body_is_retried(server):
 
 @pytest.fixture(scope="module")
 def tiny_model_and_tokenizer():
-    """A 2-layer Qwen2 with a byte-level BPE tokenizer, built offline (notes/trl-integration.md, section a)."""
+    """A 2-layer Qwen2 with a byte-level BPE tokenizer, built offline."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config

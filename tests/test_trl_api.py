@@ -340,6 +340,6 @@ def test_no_import_circle_in_the_project():
     graph = import_graph(("trainers", "envs", "rewards", "agent_trl"))
     assert "trainers.routing_replay" in graph["trainers.base"]  # the graph sees the imports it should
     assert cycles(graph) == []
-    for layer in ("envs", "rewards"):  # environments and rewards know nothing about trainers (DESIGN.md)
+    for layer in ("envs", "rewards"):  # environments and rewards know nothing about trainers (docs/layout.md)
         imported = set().union(*(graph[m] for m in graph if m.startswith(layer + ".")))
         assert not {m for m in imported if m.startswith("trainers.")}, layer

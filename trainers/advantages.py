@@ -4,7 +4,7 @@ Reward placement, token GAE over model tokens (PPO, T1), the critic's explained 
 masked helpers the methods' own estimators are built from (MPO's turn GAE lives in `trainers/mpo.py`, DRACO's step
 weights in `trainers/draco.py`, the credit interface in `trainers/credit.py`).
 
-Conventions (DESIGN.md, the rollout-batch contract). B rows, T completion tokens, K turns.
+Conventions (the rollout-batch contract, docs/layout.md#the-rollout-batch). B rows, T completion tokens, K turns.
 * `mask` (B, T): 1 on model tokens (sampled by the policy), 0 on environment tokens and padding.
 * `turn_index` (B, T): k on the model tokens of assistant turn k, -1 elsewhere. Only tokens with `mask = 1` and
   `turn_index >= 0` are treated as turn tokens.

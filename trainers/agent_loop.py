@@ -21,11 +21,11 @@ An episode ends when the environment says `done` (terminated), or when it runs o
 conventions.md C4). The outcome reward is the sum of the per-turn
 rewards.
 
-Returned per rollout (the data contract of DESIGN.md): `prompt_ids`, `completion_ids`, `logprobs`, `env_mask`,
-`turn_index`, `turn_rewards` (K), `state_keys` (K, the state before each turn: `envs.base.state_key_of`),
-`prompt_messages` and `prompt_tools` (what `prompt_ids` was rendered from), `transcript` (per turn: action, invalid,
-observation, reward), `env_reward`, `success`, `truncated`, `continues` (truncated in an environment that declares
-`continues_past_cut`), `final_info`.
+Returned per rollout (the rollout-batch contract, docs/layout.md#the-rollout-batch): `prompt_ids`, `completion_ids`,
+`logprobs`, `env_mask`, `turn_index`, `turn_rewards` (K), `state_keys` (K, the state before each turn:
+`envs.base.state_key_of`), `prompt_messages` and `prompt_tools` (what `prompt_ids` was rendered from), `transcript`
+(per turn: action, invalid, observation, reward), `env_reward`, `success`, `truncated`, `continues` (truncated in an
+environment that declares `continues_past_cut`), `final_info`.
 
 MoE routing replay (R3, `docs/methods/routing-replay.md`): a generation backend may also return, per context, the route
 record of that call (`hf_generate(..., record_routes=True)`); `play` then keeps one record per rollout, stitched over

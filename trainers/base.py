@@ -7,9 +7,9 @@ What it adds to `trl.GRPOTrainer` (TRL 1.16.0), of which it is a drop-in (TRL's 
    public `rollout_func` hook (batched multi-turn generation, token-in/token-out, env tokens masked out of the loss),
    and the default reward is `AgentGRPOConfig.reward` (the environment's, `env_reward`). It cannot be combined with
    another rollout source (`rollout_func`, `environment_factory`, `tools`).
-2. The rollout batch of DESIGN.md (`RolloutBatch`) is assembled after TRL has generated and scored, and handed to
-   `compute_advantages(batch) -> (B, T)`, the first hook. The default reproduces stock GRPO: TRL's group advantage on
-   every model token, 0 on environment tokens and padding.
+2. The rollout batch (`RolloutBatch`, docs/layout.md#the-rollout-batch) is assembled after TRL has generated and
+   scored, and handed to `compute_advantages(batch) -> (B, T)`, the first hook. The default reproduces stock GRPO:
+   TRL's group advantage on every model token, 0 on environment tokens and padding.
 3. `policy_loss(model, inputs)`, the second hook, is called from `_compute_loss`; the default is TRL's own loss.
    Subclasses build theirs from `forward_logps` (the one copy of TRL's forward setup) and pure functions of
    `trainers/losses.py`.
@@ -382,8 +382,8 @@ class NoRewardSignal(RuntimeError):
 
 @dataclass
 class RolloutBatch:
-    """The rollout-batch data contract (DESIGN.md) for this process's B rows. T = padded completion length, K = the
-    most turns of any row on ANY process (so gathered tensors agree)."""
+    """The rollout-batch data contract (docs/layout.md#the-rollout-batch) for this process's B rows. T = padded
+    completion length, K = the most turns of any row on ANY process (so gathered tensors agree)."""
 
     completion_ids: torch.Tensor  # (B, T) right-padded
     completion_mask: torch.Tensor  # (B, T) 1 on real completion tokens (model and environment)

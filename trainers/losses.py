@@ -1,11 +1,11 @@
 """Ratios, surrogates, value losses and aggregators: pure tensor functions (tensors and plain numbers in, tensors out).
 
-Conventions (DESIGN.md): B rows, T completion tokens, K turns; `mask` (B, T) is 1 on model tokens and 0 on environment
-tokens and padding; `turn_index` (B, T) is k on the model tokens of turn k and -1 elsewhere. Per-token losses are
-returned as (B, T) tensors that are exactly 0 off the mask (C6), and environment tokens receive exactly zero gradient;
-aggregate them with `aggregate_loss` (TRL's `loss_type`s) or `masked_token_mean`. Inputs off the mask may hold
-anything finite or not (padding log-probs, NaN advantages): they are replaced by 0 before any arithmetic, so they never
-leak NaN into values or gradients.
+Conventions (docs/layout.md#the-rollout-batch): B rows, T completion tokens, K turns; `mask` (B, T) is 1 on model
+tokens and 0 on environment tokens and padding; `turn_index` (B, T) is k on the model tokens of turn k and -1
+elsewhere. Per-token losses are returned as (B, T) tensors that are exactly 0 off the mask (C6), and environment tokens
+receive exactly zero gradient; aggregate them with `aggregate_loss` (TRL's `loss_type`s) or `masked_token_mean`. Inputs
+off the mask may hold anything finite or not (padding log-probs, NaN advantages): they are replaced by 0 before any
+arithmetic, so they never leak NaN into values or gradients.
 
 Arithmetic runs in float64 and the result is cast back to the dtype of the main input (conventions.md C2); the
 casts are differentiable.

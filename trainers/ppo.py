@@ -1,5 +1,5 @@
 """PPO for agents: a learned critic, token GAE over model tokens, clipped surrogate and clipped value loss; T1's critic
-practices as options. The one deliberate second base (STYLE.md principle 2): `trainers/mpo.py` builds on it.
+practices as options. The one deliberate second base: `trainers/mpo.py` builds on it.
 
 T1: https://huggingface.co/papers/2609.11042 (`docs/methods/t1.md`). PPO: https://huggingface.co/papers/1707.06347.
 
