@@ -69,7 +69,7 @@ def main(folder: str, out_dir: str) -> None:
 
     trainer.num_live_global = counted
     first = {}
-    generate_and_score = trainer._generate_and_score_completions
+    generate_and_score = trainer.generate_and_score
 
     def capture(inputs):
         out = generate_and_score(inputs)
@@ -84,7 +84,7 @@ def main(folder: str, out_dir: str) -> None:
             first["_routing"] = list(out["routing"].shape)
         return out
 
-    trainer._generate_and_score_completions = capture
+    trainer.generate_and_score = capture
     trainer.train()
     rank = trainer.accelerator.process_index
     logs = {k: v for k, v in trainer.state.log_history[0].items() if k.startswith("routing/")}

@@ -156,8 +156,8 @@ def test_trainer_logs_tokens_per_turn_and_fires_alarms(tiny_model_folder, tmp_pa
     trainer.model.train()  # as inside train(): metrics go to "train" and the alarm is fed
     torch.manual_seed(0)
     with caplog.at_level(logging.WARNING, logger="trainers.base"):
-        trainer._generate_and_score_completions([dict(r) for r in data] * 2)
-    batch, metrics = trainer.seen, trainer._metrics["train"]
+        trainer.generate_and_score([dict(r) for r in data] * 2)
+    batch, metrics = trainer.seen, trainer.logged_metrics("train")
     # independently of the rows' turn_index lists the metric reads: model tokens are the loss mask's 1s, and the
     # turns of a row are its largest turn index + 1
     tokens = batch.mask.sum().item()  # (B, T) -> all model tokens

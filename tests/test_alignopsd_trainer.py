@@ -99,7 +99,7 @@ def setup(tiny_model_folder, tmp_path_factory):
         trainer.model.train()  # metrics go to "train", as inside train()
         mp.setattr(trainer, "teacher_generate", ExpertTeacher(trainer))
         torch.manual_seed(0)
-        trainer._generate_and_score_completions([dict(data[i // G]) for i in range(len(TASKS) * G)])
+        trainer.generate_and_score([dict(data[i // G]) for i in range(len(TASKS) * G)])
     batch, out = trainer.seen
     trainer.first_credit = trainer.credit  # later calls replace trainer.credit
     hits = [
@@ -128,9 +128,9 @@ def step(trainer, batch, monkeypatch, calibrated=True):
     recorder = ExpertTeacher(trainer)
     monkeypatch.setattr(trainer, "teacher_generate", recorder)
     monkeypatch.setattr(trainer, "_calibrated", calibrated)
-    trainer._metrics["train"].clear()
+    trainer.logged_metrics("train").clear()
     out = trainer.compute_advantages(batch)
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    metrics = {k: v[-1] for k, v in trainer.logged_metrics("train").items()}
     return out, metrics, recorder
 
 
@@ -429,9 +429,9 @@ def test_teacher_timeout_makes_every_turn_ineligible(setup, monkeypatch):
 
     monkeypatch.setattr(trainer, "teacher_generate", counting)
     monkeypatch.setattr(trainer, "_calibrated", True)
-    trainer._metrics["train"].clear()
+    trainer.logged_metrics("train").clear()
     out = trainer.compute_advantages(batch)
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    metrics = {k: v[-1] for k, v in trainer.logged_metrics("train").items()}
     assert calls == [32]
     assert metrics["alignopsd/teacher_timeouts"] == 32.0
     assert metrics["alignopsd/teacher_empty_thinking_frac"] == 1.0
@@ -584,9 +584,9 @@ def test_teacher_generation_text_is_parsed(setup, monkeypatch, match_on, generat
         monkeypatch.setattr(generation, "sample_after_prefixes", fake_branches)
     monkeypatch.setattr(trainer.args, "alignopsd_match_on", match_on)
     monkeypatch.setattr(trainer, "_calibrated", True)
-    trainer._metrics["train"].clear()
+    trainer.logged_metrics("train").clear()
     trainer.compute_advantages(batch)
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    metrics = {k: v[-1] for k, v in trainer.logged_metrics("train").items()}
     texts = {t for call in encoded for t in call}
     assert not any("<think>" in t or "</think>" in t or "junk" in t for t in texts)
     assert metrics["alignopsd/teacher_empty_thinking_frac"] == (0.0 if want else 1.0)
@@ -616,9 +616,9 @@ def test_teacher_turns_branch_from_one_prefill_per_episode(setup, monkeypatch):
     monkeypatch.setattr(generation, "sample_after_prefixes", recording)
     monkeypatch.setattr(trainer, "teacher_generate", lambda cs: contexts.extend(cs) or real_generate(cs))
     monkeypatch.setattr(trainer, "_calibrated", True)
-    trainer._metrics["train"].clear()
+    trainer.logged_metrics("train").clear()
     trainer.compute_advantages(batch)
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    metrics = {k: v[-1] for k, v in trainer.logged_metrics("train").items()}
     ((sequences, branches),) = seen
     assert len(sequences) == 8 and len(branches) == len(contexts) == 32
     assert [sequences[r][:p] for r, p in branches] == [list(c) for c in contexts]
@@ -685,12 +685,12 @@ def test_process_equivalence(setup, monkeypatch):
                 continue
             now.update(p=p, i=0)
             monkeypatch.setattr(trainer, "accelerator", ProcessView(real, p, 2))
-            trainer._metrics["train"].clear()
+            trainer.logged_metrics("train").clear()
             try:
                 out = trainer.compute_advantages(halves[p])
             except Pending:
                 continue
-            metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+            metrics = {k: v[-1] for k, v in trainer.logged_metrics("train").items()}
             done[p] = (out, trainer.credit.values.clone(), metrics)
     assert sorted(done) == [0, 1] and len(store) == 5  # adv, groups, blocks, records, boundary distances
     outs, ws, ms = zip(*(done[p] for p in (0, 1)), strict=True)

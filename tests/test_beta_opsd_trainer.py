@@ -47,7 +47,7 @@ def scored_batch(folder, out_dir, **fields):
     trainer = Recording(model=folder, train_dataset=data, args=args, env_factory=lambda r: EchoEnv())
     trainer.model.train()
     torch.manual_seed(0)
-    out = trainer._generate_and_score_completions([dict(r) for r in rows])
+    out = trainer.generate_and_score([dict(r) for r in rows])
     return trainer, out
 
 
@@ -138,7 +138,7 @@ def test_logit_full_target_and_blending_follow_separate_full_forwards(tiny_model
                 running = rho[t].item() + 0.99 * running
                 expected[t] = grpo - 0.5 * running
         assert torch.allclose(adv[b, :n].double(), expected, atol=1e-5), b
-    logged = trainer._metrics["train"]
+    logged = trainer.logged_metrics("train")
     assert logged["beta_opsd/logZ_mean"][-1] <= 0  # Eq. 11: log Z <= 0 with the current-student reference
 
 
@@ -205,7 +205,7 @@ def test_teacher_gets_no_gradient_and_w_follows_the_global_step(scored):
     trainer.state.global_step = 9  # the end of the 10-step schedule: w = 0.8
     batch = trainer.seen
     adv = BetaOPSDTrainer.compute_advantages(trainer, batch)
-    logged = trainer._metrics["train"]
+    logged = trainer.logged_metrics("train")
     assert logged["beta_opsd/teacher_weight"][-1] == pytest.approx(0.8)
     assert logged["beta_opsd/beta"][-1] == pytest.approx(1.25)
     trainer.state.global_step = 0

@@ -42,7 +42,7 @@ def test_each_training_batch_is_saved_with_its_turns(tiny_model_folder, tmp_path
     saved = []
     for step in (0, 1):
         trainer.state.global_step = step
-        trainer._generate_and_score_completions(inputs)
+        trainer.generate_and_score(inputs)
         saved.append(trainer.seen)
     episodes = lines(tmp_path / "episodes.jsonl")
     assert [e["step"] for e in episodes] == [1] * 8 + [2] * 8  # the first optimizer step that trains on the batch
@@ -58,7 +58,7 @@ def test_each_training_batch_is_saved_with_its_turns(tiny_model_folder, tmp_path
         assert e["success"] == batch.rows[i]["success"]
 
     trainer.model.eval()  # evaluation batches are not training data: nothing is written
-    trainer._generate_and_score_completions(inputs)
+    trainer.generate_and_score(inputs)
     assert len(lines(tmp_path / "episodes.jsonl")) == 16
 
 
@@ -68,12 +68,12 @@ def test_a_resumed_run_replaces_the_steps_its_checkpoint_did_not_keep(tiny_model
     path.write_text("".join(json.dumps(e) + "\n" for e in old))
     trainer, inputs = make_trainer(tiny_model_folder, tmp_path)
     trainer.state.global_step = 2  # resumed from checkpoint-2: steps 1-2 are kept, step 3 is played again
-    trainer._generate_and_score_completions(inputs)
+    trainer.generate_and_score(inputs)
     episodes = lines(path)
     assert [(e["step"], e.get("marker")) for e in episodes] == [(1, "old"), (1, "old"), (2, "old")] + [(3, None)] * 8
 
     fresh, inputs = make_trainer(tiny_model_folder, tmp_path)  # a new run into the same folder: the file starts over
-    fresh._generate_and_score_completions(inputs)
+    fresh.generate_and_score(inputs)
     assert [e["step"] for e in lines(path)] == [1] * 8
 
 

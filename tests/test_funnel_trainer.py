@@ -110,7 +110,7 @@ def test_rows_without_selection_get_no_teacher_prompt_and_no_distillation(tiny_m
     trainer.selection = {TASKS[0]["task_id"]: 1.0}
     trainer.model.train()
     torch.manual_seed(0)
-    out = trainer._generate_and_score_completions([dict(r) for r in rows() for _ in range(2)])
+    out = trainer.generate_and_score([dict(r) for r in rows() for _ in range(2)])
     assert out["funnel_c"].tolist() == [1.0, 1.0, 0.0, 0.0]
     assert (out["funnel_omega"][2:] == 0).all() and (out["funnel_omega"][:2] > 0).any()
     none = {k: (v[2:] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 4 else v) for k, v in out.items()}

@@ -695,7 +695,7 @@ def test_trainer_hook_follows_the_equations_and_scale_switch(trainer, monkeypatc
     want = [[a_e[i] + 0.5 * s for s in row] for i, row in enumerate(ref_step_adv(rows, 0.8, scale))]
     check_tokens(out.double(), case, want, atol=1e-6)
     assert out.dtype == torch.float32
-    metrics = trainer._metrics["train"]
+    metrics = trainer.logged_metrics("train")
     assert metrics["credit/conservation_residual_max"] == [0.0]
     assert "credit/fallback_rate/no_state_keys" not in metrics
     steps = sum(len(row["keys"]) for row in rows)
@@ -721,7 +721,7 @@ def test_trainer_without_keys_warns_once_and_is_plain_grpo(trainer, caplog):
     for out in (first, second):
         assert torch.equal(out, grpo_broadcast(adv, case["turn_index"]))
     assert len([r for r in caplog.records if "no state keys" in r.getMessage()]) == 1
-    assert trainer._metrics["train"]["credit/fallback_rate/no_state_keys"] == [1.0, 1.0]
+    assert trainer.logged_metrics("train")["credit/fallback_rate/no_state_keys"] == [1.0, 1.0]
 
 
 def test_process_equivalence(trainer, monkeypatch):
@@ -880,7 +880,7 @@ def test_trainer_on_agent_loop_rollouts(tiny_model_folder, tiny_tokenizer, tmp_p
     trainer = Probe(model=tiny_model_folder, train_dataset=data, args=args, env_factory=lambda r: EchoEnv())
     trainer.model.train()
     torch.manual_seed(0)
-    trainer._generate_and_score_completions([dict(data[i // 4]) for i in range(8)])  # fresh dicts: rows get merged
+    trainer.generate_and_score([dict(data[i // 4]) for i in range(8)])  # fresh dicts: rows get merged
     batch, out = trainer.seen
     assert batch.state_keys == [["k=0", "k=1", "k=2"]] * 8 and batch.group_ids.tolist() == [0] * 4 + [1] * 4
     rows = [
@@ -893,7 +893,7 @@ def test_trainer_on_agent_loop_rollouts(tiny_model_folder, tiny_tokenizer, tmp_p
     assert a_e == pytest.approx(ref_episode_adv(rows, True), abs=1e-5)  # TRL's A^E is Eq. 2 in std mode
     check_tokens(out.double(), {"turn_index": batch.turn_index}, [[a_e[i] + s for s in r] for i, r in enumerate(want)],
                  atol=1e-5)  # fmt: skip
-    metrics = trainer._metrics["train"]
+    metrics = trainer.logged_metrics("train")
     assert metrics["gigpo/anchor_coverage"] == [1.0] and metrics["gigpo/group_size_frac/2-5"] == [1.0]
 
 

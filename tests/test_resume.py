@@ -165,14 +165,15 @@ import os, signal, sys
 import train
 from transformers import Trainer
 
-save = Trainer._save_optimizer_and_scheduler
+save = Trainer.save_model
 
-def killed_while_saving(self, output_dir):
-    if output_dir.endswith("checkpoint-4"):  # the model of checkpoint-4 is on disk, the rest never will be
-        os.kill(os.getpid(), signal.SIGKILL)
-    return save(self, output_dir)
+def killed_while_saving(self, output_dir=None, *args, **kwargs):
+    out = save(self, output_dir, *args, **kwargs)
+    if output_dir and output_dir.endswith("checkpoint-4"):  # the model of checkpoint-4 is on disk, the rest never
+        os.kill(os.getpid(), signal.SIGKILL)                 # will be: optimizer, scheduler, trainer state
+    return out
 
-Trainer._save_optimizer_and_scheduler = killed_while_saving
+Trainer.save_model = killed_while_saving
 train.main(sys.argv[1:])
 """
 

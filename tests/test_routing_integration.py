@@ -13,10 +13,10 @@ import torch
 from conftest import EchoEnv
 from datasets import Dataset
 from torch import nn
-from trl import GRPOTrainer
 
 from trainers.base import AgentGRPOConfig, AgentGRPOTrainer
 from trainers.routing_replay import NO_ROUTE, RouteRecorder, find_routers
+from trainers.trl_api import TRLSeams
 
 
 def distinct_chars(completions, **kwargs):
@@ -62,7 +62,7 @@ def generation_batch(trainer: AgentGRPOTrainer, seed: int = 0) -> dict:
     data = trainer.train_dataset
     rows = [dict(data[0]) for _ in range(4)] + [dict(data[1]) for _ in range(4)]  # two groups of G = 4
     torch.manual_seed(seed)
-    return trainer._generate_and_score_completions(rows)
+    return trainer.generate_and_score(rows)
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_reference_routes_freely_and_lora_replays(moe_folder, tiny_tokenizer, tm
     T = batch["completion_ids"].shape[1]
     reference = trainer.model if use_peft else trainer.ref_model
     with torch.no_grad():  # TRL's own forward: free routing at the updated routers (LoRA B = 0: same function)
-        free = GRPOTrainer._get_per_token_logps_and_entropies(trainer, reference, input_ids, attention, T)[0]
+        free = TRLSeams.token_logps(trainer, reference, input_ids, attention, T)[0]  # the boundary's call of TRL
     torch.testing.assert_close(batch["ref_per_token_logps"][mask], free[mask], atol=1e-6, rtol=0)
     replayed, used = actor_logps(trainer, batch, monkeypatch)
     assert flips_against_record(batch["routing"], used) == 0

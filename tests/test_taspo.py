@@ -504,7 +504,7 @@ def echo(tiny_model_folder, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(agent_loop, "hf_generate", scripted_policy(5))
         torch.manual_seed(0)
-        trainer._generate_and_score_completions([dict(data[i // 4]) for i in range(8)])
+        trainer.generate_and_score([dict(data[i // 4]) for i in range(8)])
     batch = trainer.seen
     assert [r["success"] for r in batch.rows] == [False, True, False, True] + [False] * 4
     assert batch.group_ids.tolist() == [0] * 4 + [1] * 4 and batch.turn_valid.all() and batch.turn_valid.shape[1] == 3
@@ -528,7 +528,7 @@ def grpo_broadcast(batch) -> torch.Tensor:
 
 
 def last_metrics(trainer) -> dict[str, float]:
-    return {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return {k: v[-1] for k, v in trainer.logged_metrics("train").items()}
 
 
 def count_forwards(trainer, monkeypatch) -> list:

@@ -51,7 +51,7 @@ def scored(tiny_model_folder, tmp_path_factory):
     trainer = RecordingTrainer(model=tiny_model_folder, train_dataset=data, args=args, env_factory=lambda r: EchoEnv())
     trainer.model.train()
     torch.manual_seed(0)
-    trainer._generate_and_score_completions([dict(r) for r in data] * 2)
+    trainer.generate_and_score([dict(r) for r in data] * 2)
     return trainer, trainer.seen
 
 
@@ -139,7 +139,7 @@ def test_reference_under_lora_is_the_base_model(tiny_model_folder, tmp_path):
                 p.normal_(0.0, 0.5)
     trainer.model.train()
     torch.manual_seed(0)
-    trainer._generate_and_score_completions([dict(r) for r in data] * 2)
+    trainer.generate_and_score([dict(r) for r in data] * 2)
     batch = trainer.seen
     blocks = ["Hint: apple."] * 4
     policy = teacher_logps(trainer, batch, blocks, source="policy")

@@ -24,6 +24,7 @@ from envs.shop_tools import (
     tools_system_message,
 )
 from trainers.agent_loop import LoopSettings, play, render_prompt_ids
+from trainers.trl_api import generation_batch
 
 WIDE = LoopSettings(max_turn_tokens=400, max_completion_length=4000)  # scripted turns are long with a 400-word BPE
 
@@ -279,7 +280,7 @@ def test_runs_unchanged_in_trls_own_tool_loop(tiny_tokenizer, tiny_model_folder,
     )
     inputs = [dict(r) for r in rows for _ in range(2)]
     torch.manual_seed(0)
-    out = trainer._generate_and_score_completions(inputs)
+    out = generation_batch(trainer, inputs)  # stock GRPOTrainer: its generation batch through the TRL boundary
     assert [env.get_reward() for env in trainer.environments] == [1.0] * 4
     mask = out["completion_mask"] * out["tool_mask"]  # (B, T) model tokens
     starts = (mask[:, 1:] > mask[:, :-1]).sum(1) + mask[:, 0]
