@@ -32,7 +32,7 @@ import resource, sys
 sys.path.insert(0, sys.argv[2])
 import torch
 if sys.argv[1] == "kept":
-    from trainers.base import keep_freed_memory
+    from trainers.cpu_paths import keep_freed_memory
     assert keep_freed_memory(), "not glibc"
 
 def step():  # a step's activations, alive together, freed at its end

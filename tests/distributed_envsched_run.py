@@ -35,17 +35,17 @@ def main(folder: str, out: str) -> None:
                                env_factory=lambda row: EchoEnv())  # fmt: skip
     scheduler = trainer.task_scheduler
     draws, rows = [], []
-    draw, update = scheduler.draw, trainer._update_scheduler
+    draw, update = scheduler.draw, trainer.task_scheduling.update
 
     def spy_draw():
         draws.append(draw())
         return draws[-1]
 
-    def spy_update(inputs, batch):
+    def spy_update(trainer, inputs, batch):
         rows.extend(int(r["sched_index"]) for r in inputs)
-        return update(inputs, batch)
+        return update(trainer, inputs, batch)
 
-    scheduler.draw, trainer._update_scheduler = spy_draw, spy_update
+    scheduler.draw, trainer.task_scheduling.update = spy_draw, spy_update
     trainer.train()
     rank = dist.get_rank()
     state = scheduler.state_dict()

@@ -61,7 +61,7 @@ def test_keep_freed_memory_sets_no_trim_and_a_32_mb_mmap_threshold(monkeypatch):
     32 MB (<malloc.h>). How many page faults it saves is measured by `bench/allocator.py`, not here."""
     import ctypes
 
-    from trainers.base import keep_freed_memory
+    from trainers.cpu_paths import keep_freed_memory
 
     calls = []
 
@@ -82,7 +82,7 @@ def test_keep_freed_memory_declines_without_glibc(monkeypatch):
     """A C library that is not glibc is left alone."""
     import ctypes
 
-    from trainers.base import keep_freed_memory
+    from trainers.cpu_paths import keep_freed_memory
 
     class NotGlibc:
         def __getattr__(self, name):

@@ -36,13 +36,13 @@ def make(folder, out, cls=AgentGRPOTrainer, config=AgentGRPOConfig, **fields):
     trainer = cls(model=folder, reward_funcs=[token_reward], args=args, train_dataset=data,
                   env_factory=lambda row: EchoEnv())  # fmt: skip
     played = []
-    update = trainer._update_scheduler
+    update = trainer.task_scheduling.update
 
-    def spy(inputs, batch):
+    def spy(trainer, inputs, batch):
         played.append([int(r["sched_index"]) for r in inputs])
-        return update(inputs, batch)
+        return update(trainer, inputs, batch)
 
-    trainer._update_scheduler = spy
+    trainer.task_scheduling.update = spy
     return trainer, played
 
 

@@ -299,7 +299,7 @@ def test_old_and_reference_passes_score_only_model_tokens(tiny_model_folder, tmp
 
 def test_pads_right_only():
     """docs/methods/grpo.md D15: a mask qualifies when each row is ones then zeros, and not otherwise."""
-    from trainers.base import pads_right_only
+    from trainers.cpu_paths import pads_right_only
 
     assert pads_right_only(torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]))
     assert not pads_right_only(torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1]]))  # left padding in row 1
@@ -322,12 +322,12 @@ def test_right_padded_forwards_run_as_plain_causal_attention(tiny_model_folder, 
     """docs/methods/grpo.md D15: on a batch padded only on the right, the log-prob forwards hand attention no mask
     (plain causal attention), and the loss, its gradient and the log-probs equal those of the same forwards with
     transformers' padding mask."""
-    import trainers.base
+    import trainers.cpu_paths
 
     trainer, out = echo_batch(tiny_model_folder, tmp_path)
     batch = {k: v[:8] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in out.items()}
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    assert trainers.base.pads_right_only(attention) and (attention == 0).any()  # 2- and 3-turn episodes
+    assert trainers.cpu_paths.pads_right_only(attention) and (attention == 0).any()  # 2- and 3-turn episodes
     batch["advantages"] = torch.linspace(-1.0, 1.0, 8).unsqueeze(1) * batch["completion_mask"]
     model = trainer.model
     model.train()
@@ -345,7 +345,7 @@ def test_right_padded_forwards_run_as_plain_causal_attention(tiny_model_folder, 
 
     causal = loss_grads_logps()
     assert calls and set(calls) == {(False, True)}  # every layer of both forwards: no mask, causal
-    monkeypatch.setattr(trainers.base, "pads_right_only", lambda mask: False)
+    monkeypatch.setattr(trainers.cpu_paths, "pads_right_only", lambda mask: False)
     masked = loss_grads_logps()
     assert calls and set(calls) == {(True, False)}  # transformers' (B, 1, S, S) mask
     torch.testing.assert_close(causal[0], masked[0], rtol=1e-6, atol=1e-7)

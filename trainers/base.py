@@ -14,8 +14,10 @@ What it adds to `trl.GRPOTrainer` (TRL 1.16.0), of which it is a drop-in (TRL's 
    Subclasses build theirs from `forward_logps` (the one copy of TRL's forward setup) and pure functions of
    `trainers/losses.py`.
 4. `routing_replay: true` (MoE policies, R3): `RoutingReplay` in `trainers/routing_replay.py`, called at named points.
-5. `scheduler: envsched`: the task scheduler of `trainers/envsched.py` chooses each generation batch's tasks (through
-   TRL's sampler seam) and is updated with the batch's gathered rewards; its state travels in `agent_state.json`.
+5. `scheduler: envsched`: the task scheduler of `trainers/envsched.py` (`TaskScheduling`, called at named points)
+   chooses each generation batch's tasks (through TRL's sampler seam) and is updated with the batch's gathered
+   rewards; its state travels in `agent_state.json`.
+6. `save_episodes: true`: `trainers/episodes.py` writes each training batch's episodes to `episodes.jsonl`.
 
 TRL's private API is reached only through `trainers/trl_api.py` (the TRL boundary, `TRLSeams`), whose public names
 this class overrides: `generate_and_score`, `calculate_rewards`, `micro_batch_loss`, `token_logps`, `train_sampler`
@@ -80,95 +82,13 @@ from envs.base import Env
 from rewards.verifiers import assertion_count_reward, binary_success_reward
 from trainers import agent_loop
 from trainers.alarm import CollapseAlarm
+from trainers.cpu_paths import CausalWithoutMask, ScoredLabels, keep_freed_memory
+from trainers.envsched import TaskScheduling
+from trainers.episodes import EpisodesWriter
 from trainers.routing_replay import RoutingReplay
 from trainers.trl_api import TRLSeams, cpu_fast_paths, get_config_model_id
 
 logger = logging.getLogger(__name__)
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc's allocator to keep freed memory for reuse instead of handing it back to the system (D14).
-
-    A training step on CPU allocates and frees many tensors of a few to a few tens of MB (activations of a 64-episode
-    batch). glibc unmaps the blocks it mapped on their own (above its adaptive `M_MMAP_THRESHOLD`) when they are freed,
-    and gives a free region at the top of its heap back to the system once it passes `M_TRIM_THRESHOLD`, so the next
-    step page-faults that memory in again, zeroed. With no trim and a fixed 32 MB `M_MMAP_THRESHOLD` (its largest
-    value), freed blocks under 32 MB stay in the heap and are reused. The process keeps its peak heap size; blocks of
-    32 MB or more are still mapped and unmapped as before. Returns False (and changes nothing) where the C library is
-    not glibc. The trainer calls it when its policy is on CPU; calling it again changes nothing."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    if not hasattr(libc, "gnu_get_libc_version"):  # musl, macOS: other allocators
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
-    return bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)) and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20))
-
-
-class _ScoredLabels(AbstractContextManager):
-    """While open, each fused-head call of `model` (TRL's `model(..., labels=labels, fused_lm_head=True)`) gets label
-    -100 on the completion positions where `scored` (B, T) is 0, so the head projects only the model's own tokens and
-    returns log-prob 0 elsewhere (docs/methods/grpo.md D12). TRL's forward may split the B rows into chunks; they come
-    in order, and the rows consumed so far are counted so each chunk gets its own rows."""
-
-    def __init__(self, model: torch.nn.Module, scored: torch.Tensor):
-        self.model, self.scored, self.row = model, scored, 0
-
-    def __enter__(self):
-        self.handle = self.model.register_forward_pre_hook(self._relabel, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
-
-    def _relabel(self, module, args, kwargs):
-        labels = kwargs.get("labels")
-        if labels is None or not kwargs.get("fused_lm_head"):
-            return None
-        rows = self.scored[self.row : self.row + labels.size(0)]  # (b, T)
-        if rows.size(0) != labels.size(0):
-            raise RuntimeError(f"the forward scored more rows than the {self.scored.size(0)} the loss mask covers")
-        self.row += labels.size(0)
-        T = rows.size(1)
-        completion = labels[:, -T:].masked_fill(rows.to(labels.device) == 0, -100)
-        kwargs["labels"] = torch.cat([labels[:, :-T], completion], dim=1)
-        return args, kwargs
-
-
-def pads_right_only(mask: torch.Tensor) -> bool:
-    """True when every row of the (B, S) 0/1 attention `mask` is ones followed by zeros: padding only on the right."""
-    return bool((mask[:, 1:] <= mask[:, :-1]).all())
-
-
-class _CausalWithoutMask(AbstractContextManager):
-    """While open, each call of `model` whose `attention_mask` pads only on the right gets `attention_mask=None`, so
-    attention runs as plain causal attention (docs/methods/grpo.md D15). A causal model's position reads only itself
-    and the positions before it, so padding on the right never reaches a real token; the mask changed only what the
-    padding positions themselves compute, and nothing reads their outputs. Without it no (B, 1, S, S) mask is built,
-    and PyTorch's attention skips the blocks above the diagonal. Position ids are what the mask gave: no row is
-    shifted. TRL builds its labels from the mask before the call, so padding is still not scored."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-
-    def __enter__(self):
-        self.handle = self.model.register_forward_pre_hook(self._drop_right_padding_mask, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
-
-    @staticmethod
-    def _drop_right_padding_mask(module, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        if mask is None or mask.dim() != 2 or not pads_right_only(mask):
-            return None
-        kwargs["attention_mask"] = None
-        return args, kwargs
 
 
 REWARDS = ("env", "binary", "assertion_count")
@@ -508,12 +428,12 @@ class AgentGRPOTrainer(TRLSeams):
         self.env_factory = env_factory
         if args.save_episodes and env_factory is None:
             raise ValueError("save_episodes writes the agent loop's episodes: it needs env_factory")
-        self._episodes_from: int | None = None  # global step at the first write of episodes.jsonl by this process
+        self.episodes = EpisodesWriter(args.output_dir) if args.save_episodes else None  # episodes.jsonl
         self.generation_step: GenerationStep | None = None  # the generation batch under way (see GenerationStep)
         self._loss_scored: torch.Tensor | None = None  # the loss mask of TRL's own loss forward (`scoring_loss`, D12)
-        self.task_scheduler = None
+        self.task_scheduling = TaskScheduling()  # EnvSched (scheduler: envsched), called at named points like R3
         if args.scheduler == "envsched":  # envsched.md: built before TRL's init, which builds no sampler yet
-            train_dataset = self._attach_scheduler(args, train_dataset)
+            train_dataset = self.task_scheduling.attach(self, args, train_dataset)
         self.routing_replay = RoutingReplay(self)  # MoE routing replay state (routing-replay.md D7-D9), set up below
         super().__init__(
             model=model,
@@ -546,55 +466,14 @@ class AgentGRPOTrainer(TRLSeams):
         if self.args.keep_freed_memory and self.accelerator.device.type == "cpu":
             keep_freed_memory()  # D14: a CPU step reuses its freed activations instead of faulting them in again
 
-    def _attach_scheduler(self, args, train_dataset):
-        """EnvSched over the training tasks (docs/methods/envsched.md): every task's environment (its task's `env`
-        field, else the environment's name) and descriptor, its text, and a `sched_index` column that maps rows back to
-        the pool."""
-        from envs.base import row_task
-        from trainers.envsched import EnvScheduler, SchedSettings, task_text
-
-        if self.env_factory is None or train_dataset is None or not hasattr(train_dataset, "add_column"):
-            raise ValueError("scheduler 'envsched' needs env_factory and a map-style train_dataset of tasks")
-        rows = list(train_dataset)
-        tasks = [row_task(row) for row in rows]
-        names, descriptors = [], {}
-        for row, task in zip(rows, tasks, strict=True):
-            env = self.env_factory(row)
-            name = str(task.get("env") or getattr(env, "name", "env"))
-            if name not in descriptors:
-                descriptors[name] = env.descriptor(task)
-            names.append(name)
-        lo, hi = args.sched_reward_range
-        settings = SchedSettings(
-            reward_lo=lo, reward_hi=hi, half_life=args.sched_half_life, c_u=args.sched_uncertainty_bonus,
-            k_nn=args.sched_neighbours, rho_max=args.sched_env_share, lambda_sim=args.sched_similarity_penalty,
-            explore=args.sched_explore, embeddings=args.sched_embeddings,
-        )  # fmt: skip
-        B = args.generation_batch_size // args.num_generations
-        ids = [row.get("task_id", i) for i, row in enumerate(rows)]
-        texts = [task_text(t) for t in tasks]
-        self.task_scheduler = EnvScheduler(names, descriptors, texts, B, settings, seed=args.seed, task_ids=ids)
-        return train_dataset.add_column("sched_index", list(range(len(rows))))
-
     def train_sampler(self, dataset=None):
-        if self.task_scheduler is None:
-            return super().train_sampler(dataset)
-        from trainers.envsched import SchedulerSampler
+        sampler = self.task_scheduling.sampler(self)  # EnvSched's, under `scheduler: envsched`
+        return sampler if sampler is not None else super().train_sampler(dataset)
 
-        repeat = self.num_iterations * self.args.steps_per_generation
-        micro_steps = self.args.max_steps * self.args.gradient_accumulation_steps
-        blocks = -(-micro_steps // repeat) + 2  # the dataloader fetches one batch ahead
-        return SchedulerSampler(self.task_scheduler, self.num_generations, repeat, blocks)
-
-    def _update_scheduler(self, inputs: list[dict], batch: RolloutBatch) -> None:
-        """envsched.md Eq. 3 with the whole generation batch (gathered, so every process holds the same state, D16);
-        unscorable rollouts and environment errors are invalid (D14)."""
-        index = gather_object([int(row["sched_index"]) for row in inputs])
-        valid = gather_object([int(row.get("env_errors", 0)) == 0 for row in inputs])
-        rewards = gather(batch.rewards.float()).tolist()
-        valid = [v and r == r for v, r in zip(valid, rewards, strict=True)]  # NaN: no reward function answered
-        for name, value in self.task_scheduler.update(index, rewards, valid).items():
-            self.log_metric(f"sched/{name}", value)
+    @property
+    def task_scheduler(self):
+        """The EnvSched scheduler of the run (`trainers.envsched.EnvScheduler`), None without `scheduler: envsched`."""
+        return self.task_scheduling.scheduler
 
     @property
     def replay_routing(self) -> bool:
@@ -737,9 +616,9 @@ class AgentGRPOTrainer(TRLSeams):
         with ExitStack() as hooks:
             hooks.enter_context(cpu_fast_paths())  # D12, D14
             if scored is not None:
-                hooks.enter_context(_ScoredLabels(model, scored))
+                hooks.enter_context(ScoredLabels(model, scored))
             if causal:
-                hooks.enter_context(_CausalWithoutMask(model))
+                hooks.enter_context(CausalWithoutMask(model))
             return self.routing_replay.logps(forward, model, input_ids, attention_mask, *settings)
 
     def generate_and_score(self, inputs):
@@ -762,8 +641,8 @@ class AgentGRPOTrainer(TRLSeams):
             if scored is not None and out.get(key) is not None:
                 out[key] = out[key] * scored
         batch = self._rollout_batch(inputs, out, step.rewards)
-        if self.task_scheduler is not None and self.model.training:
-            self._update_scheduler(inputs, batch)
+        if self.model.training:
+            self.task_scheduling.update(self, inputs, batch)
         advantages = self.compute_advantages(batch)
         if advantages.shape != batch.completion_ids.shape:
             raise RuntimeError(
@@ -777,8 +656,8 @@ class AgentGRPOTrainer(TRLSeams):
                 raise RuntimeError(f"batch.extras[{key!r}] must be a batch-first tensor with {len(inputs)} rows")
             out[key] = value
         self._log_env_metrics(batch)
-        if self.args.save_episodes and self.model.training:
-            self._save_episodes(batch)
+        if self.episodes is not None and self.model.training:
+            self.episodes.write(self, batch)
         self._guard_reward_signal(step.rewards_per_func)
         return out
 
@@ -788,16 +667,16 @@ class AgentGRPOTrainer(TRLSeams):
         """What the run's monitors remember between generation batches (JSON-ready); subclasses add theirs."""
         alarm = self.collapse_alarm.state_dict() if self.collapse_alarm is not None else None
         state = {"collapse_alarm": alarm, "unscorable_streak": list(self._unscorable_streak)}
-        if self.task_scheduler is not None:
-            state["scheduler"] = self.task_scheduler.state_dict()
+        if self.task_scheduling.active:
+            state["scheduler"] = self.task_scheduling.state_dict()
         return state
 
     def load_monitor_state(self, state: dict) -> None:
         if self.collapse_alarm is not None and state.get("collapse_alarm"):
             self.collapse_alarm.load_state_dict(state["collapse_alarm"])
         self._unscorable_streak = list(state.get("unscorable_streak", []))
-        if self.task_scheduler is not None and state.get("scheduler"):
-            self.task_scheduler.load_state_dict(state["scheduler"])
+        if self.task_scheduling.active and state.get("scheduler"):
+            self.task_scheduling.load_state_dict(state["scheduler"])
 
     def save_checkpoint(self, model, trial):
         """Write agent_state.json first: the trainer writes trainer_state.json last, and a checkpoint without it is
@@ -916,49 +795,6 @@ class AgentGRPOTrainer(TRLSeams):
             for alarm in self.collapse_alarm.update(*watched):
                 logger.warning("%s", alarm.message)
                 self.log_metric(f"alarm/{alarm.kind}", 1.0)
-
-    def _save_episodes(self, batch: RolloutBatch) -> None:
-        """Append this batch's episodes, gathered from every process, to <output_dir>/episodes.jsonl, one line each,
-        written per batch so a run that stops keeps every batch it trained on. `step` is the first optimizer step
-        that trains on the batch, as in the logged metrics. The first write of a run drops the lines of steps after
-        the one it starts from: a resumed run replaces what its checkpoint did not keep, a new run the whole file."""
-        tokens = [
-            torch.bincount(t[t >= 0], minlength=len(r)).tolist()  # model tokens of each turn
-            for t, r in zip(batch.turn_index, batch.transcripts, strict=True)
-        ]
-        step = self.state.global_step + 1
-        lines = gather_object(
-            [
-                json.dumps(
-                    {
-                        "step": step,
-                        "group": int(batch.group_ids[i]),
-                        "task": batch.task_ids[i],
-                        "reward": float(batch.rewards[i]),
-                        "advantage": float(batch.advantages[i]),
-                        "success": bool(batch.rows[i]["success"]),
-                        "truncated": bool(batch.truncated[i]),
-                        "turns": [{**turn, "tokens": tokens[i][k]} for k, turn in enumerate(batch.transcripts[i])],
-                    },
-                    default=str,
-                )
-                for i in range(len(batch.rows))
-            ]
-        )
-        if not self.accelerator.is_main_process:
-            return
-        path = os.path.join(self.args.output_dir, "episodes.jsonl")
-        if self._episodes_from is None:
-            self._episodes_from = step - 1
-            kept = []
-            if os.path.exists(path):
-                with open(path) as f:
-                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= self._episodes_from]
-            os.makedirs(self.args.output_dir, exist_ok=True)
-            with open(path, "w") as f:
-                f.write("".join(kept))
-        with open(path, "a") as f:
-            f.write("".join(line + "\n" for line in lines))
 
     def _guard_reward_signal(self, rpf: torch.Tensor) -> None:
         """Log `reward/unscorable_frac` (rollouts for which every reward function returned None, over all processes)

@@ -462,3 +462,75 @@ class SchedulerSampler(Sampler):
                 for i in tasks:
                     for _ in range(self.G):
                         yield i
+
+
+class TaskScheduling:
+    """EnvSched inside a trainer (`scheduler: envsched`), called by the base trainer at named points, as it calls
+    `RoutingReplay`: `attach` (before TRL's init: the scheduler over the training tasks), `sampler` (TRL's sampler
+    seam), `update` (after each training batch is scored) and `state_dict` / `load_state_dict` (the checkpoint's
+    `agent_state.json`). Inactive (every call a no-op) until `attach`."""
+
+    def __init__(self) -> None:
+        self.scheduler: EnvScheduler | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.scheduler is not None
+
+    def attach(self, trainer, args, train_dataset):
+        """The scheduler over the training tasks (docs/methods/envsched.md): every task's environment (its task's `env`
+        field, else the environment's name) and descriptor, its text. Returns the dataset with a `sched_index` column
+        that maps rows back to the pool."""
+        from envs.base import row_task
+
+        if trainer.env_factory is None or train_dataset is None or not hasattr(train_dataset, "add_column"):
+            raise ValueError("scheduler 'envsched' needs env_factory and a map-style train_dataset of tasks")
+        rows = list(train_dataset)
+        tasks = [row_task(row) for row in rows]
+        names, descriptors = [], {}
+        for row, task in zip(rows, tasks, strict=True):
+            env = trainer.env_factory(row)
+            name = str(task.get("env") or getattr(env, "name", "env"))
+            if name not in descriptors:
+                descriptors[name] = env.descriptor(task)
+            names.append(name)
+        lo, hi = args.sched_reward_range
+        settings = SchedSettings(
+            reward_lo=lo, reward_hi=hi, half_life=args.sched_half_life, c_u=args.sched_uncertainty_bonus,
+            k_nn=args.sched_neighbours, rho_max=args.sched_env_share, lambda_sim=args.sched_similarity_penalty,
+            explore=args.sched_explore, embeddings=args.sched_embeddings,
+        )  # fmt: skip
+        B = args.generation_batch_size // args.num_generations
+        ids = [row.get("task_id", i) for i, row in enumerate(rows)]
+        texts = [task_text(t) for t in tasks]
+        self.scheduler = EnvScheduler(names, descriptors, texts, B, settings, seed=args.seed, task_ids=ids)
+        return train_dataset.add_column("sched_index", list(range(len(rows))))
+
+    def sampler(self, trainer) -> SchedulerSampler | None:
+        """TRL's training sampler: the scheduler's choice of each generation batch's tasks (None when inactive)."""
+        if self.scheduler is None:
+            return None
+        repeat = trainer.num_iterations * trainer.args.steps_per_generation
+        micro_steps = trainer.args.max_steps * trainer.args.gradient_accumulation_steps
+        blocks = -(-micro_steps // repeat) + 2  # the dataloader fetches one batch ahead
+        return SchedulerSampler(self.scheduler, trainer.num_generations, repeat, blocks)
+
+    def update(self, trainer, inputs: list[dict], batch) -> None:
+        """envsched.md Eq. 3 with the whole generation batch (gathered, so every process holds the same state,
+        envsched.md D16); unscorable rollouts and environment errors are invalid (envsched.md D14). Logs `sched/*`."""
+        if self.scheduler is None:
+            return
+        from accelerate.utils import gather, gather_object
+
+        index = gather_object([int(row["sched_index"]) for row in inputs])
+        valid = gather_object([int(row.get("env_errors", 0)) == 0 for row in inputs])
+        rewards = gather(batch.rewards.float()).tolist()
+        valid = [v and r == r for v, r in zip(valid, rewards, strict=True)]  # NaN: no reward function answered
+        for name, value in self.scheduler.update(index, rewards, valid).items():
+            trainer.log_metric(f"sched/{name}", value)
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
