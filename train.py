@@ -47,9 +47,7 @@ from rewards.loading import RewardFunctionError  # noqa: E402
 from trainers import TRAINERS  # noqa: E402
 from trainers.agent_loop import EnvironmentFailure  # noqa: E402
 from trainers.base import DiskFull, NoRewardSignal, disk_full_named  # noqa: E402
-from trainers.reporting import plot_curves, speed, write_summary  # noqa: E402
-
-HELD_OUT = ("before", "after")
+from trainers.reporting import run_curves, speed, write_summary  # noqa: E402
 
 
 def parse(argv: list[str] | None = None):
@@ -222,13 +220,7 @@ def train(run: RunArguments, config, model_args, trainer_cls) -> dict:
     summary["log_history"] = trainer.state.log_history
     if trainer.accelerator.is_main_process:
         write_summary(os.path.join(config.output_dir, "summary.json"), summary)
-        plot_curves(
-            trainer.state.log_history,
-            os.path.join(config.output_dir, "curves.png"),
-            title=f"{run.trainer} on {name} ({env.name + f', difficulty {run.difficulty}' if env else 'dataset'})",
-            rollouts_per_step=summary["rollouts_per_step"],
-            held_out={k: summary[k]["sampled"]["success" if env else "reward"] for k in summary if k in HELD_OUT},
-        )
+        run_curves(summary, config.output_dir)
     return summary
 
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import train
+from agent_trl import curves
 
 
 def distinct_chars(completions, **kwargs) -> list[float]:
@@ -61,6 +62,11 @@ def test_train_main_writes_summary_curves_and_model(tmp_path, monkeypatch):
         assert math.isfinite(row["loss"]) and 0.0 <= row["env/success"] <= 1.0 and 1.0 <= row["env/turns"] <= 2.0
         assert {"env/truncated", "env/errors"} <= set(row)
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # `python -m agent_trl.curves` draws the same picture again from the stored summary alone
+    (again := tmp_path / "again").mkdir()
+    (again / "summary.json").write_text((out / "summary.json").read_text())
+    assert curves.main([str(again)]) == [again / "curves.png"]
+    assert (again / "curves.png").read_bytes() == (out / "curves.png").read_bytes()
     model = AutoModelForCausalLM.from_pretrained(out)  # the saved policy reloads
     assert model.config.hidden_size == 128 and (out / "tokenizer.json").exists()
     # The saved weights are the trained ones: the reward varies inside the groups, so a step has a gradient, and

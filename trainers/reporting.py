@@ -34,6 +34,30 @@ def curve_panels(log_history: list[dict]) -> list[tuple[str, str]]:
     return panels
 
 
+def run_title(summary: dict) -> str:
+    """The title of a run's curves: its trainer, model and environment (with its difficulty) or dataset."""
+    run = summary.get("run") or {}
+    environment = run.get("environment")
+    data = f"{environment}, difficulty {run.get('difficulty', 0)}" if environment else "dataset"
+    return f"{summary.get('trainer', run.get('trainer', '?'))} on {summary.get('model', '?')} ({data})"
+
+
+def run_curves(summary: dict, folder: str | Path) -> Path | None:
+    """Draw `folder`/curves.png from the run's summary.json content (`plot_curves` of its log history, against
+    rollouts trained on, with the held-out success, or reward for a dataset, before and after). What train.py draws
+    at the end of a run, and `python -m agent_trl.curves` draws again from a stored summary."""
+    measure = "success" if (summary.get("run") or {}).get("environment") else "reward"
+    sampled = {k: (summary.get(k) or {}).get("sampled") or {} for k in ("before", "after")}
+    held_out = {k: v[measure] for k, v in sampled.items() if v.get(measure) is not None}
+    return plot_curves(
+        summary.get("log_history") or [],
+        Path(folder) / "curves.png",
+        title=run_title(summary),
+        rollouts_per_step=summary.get("rollouts_per_step"),
+        held_out=held_out,
+    )
+
+
 def plot_curves(
     log_history: list[dict],
     path: str | Path,
