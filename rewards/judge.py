@@ -174,7 +174,8 @@ class JudgeConfig:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One API model's settings as flat, prefixed fields of a config (`judge_model`, `analyzer_timeout`, ...): TRL's parser
-# and the YAML recipes need flat fields, so each use declares its copy through an `APIModelFields`.
+# and the YAML recipes need flat fields, so each use's config declares its copy by hand, and an `APIModelFields`
+# names that copy (to build its `JudgeConfig`, check it, or add it to an argparse parser).
 
 # The settings a use may expose: its field name -> (the `JudgeConfig` field it sets, type, help text; `{role}` is the
 # use's prefix). The default is `JudgeConfig`'s own (None for `model`) unless the use says otherwise.
@@ -231,21 +232,21 @@ class APIModelFields:
     def help_text(self, name: str) -> str:
         return self.help.get(name, API_MODEL_FIELDS[name][2].format(role=self.prefix))
 
-    def add_fields(self, cls: type) -> type:
-        """Class decorator under `@dataclass`: declares this use's fields in `cls`, right after `selector` (else
-        last). A field also declared by hand is an error, so no copy can drift from this one."""
-        own = dict(cls.__dict__.get("__annotations__", {}))
-        if clash := [n for n in self.field_names() if n in own]:
-            raise TypeError(f"{cls.__name__} declares {clash} by hand; {self.prefix}'s APIModelFields declares them")
-        new = {}
+    def declaration_problems(self, cls: type) -> list[str]:
+        """How the dataclass `cls` (a method's config) differs from this use: a field of the use it does not
+        declare, or declares with another default or help text. Each config writes its use's fields out by hand, so
+        they can be read and searched where they are; tests/test_judge.py holds every one to its use with this."""
+        declared = {f.name: f for f in fields(cls)}
+        problems = []
         for name in self.names:
-            kind, default = API_MODEL_FIELDS[name][1], self.default(name)
-            new[self.flat(name)] = kind | None if default is None else kind
-            setattr(cls, self.flat(name), field(default=default, metadata={"help": self.help_text(name)}))
-        keys = list(own)
-        at = keys.index(self.selector) + 1 if self.selector in own else len(keys)
-        cls.__annotations__ = {k: own[k] for k in keys[:at]} | new | {k: own[k] for k in keys[at:]}
-        return cls
+            flat = self.flat(name)
+            if flat not in declared:
+                problems.append(f"{cls.__name__} does not declare {flat}")
+                continue
+            default, help_text = self.default(name), self.help_text(name)
+            if declared[flat].default != default or declared[flat].metadata.get("help") != help_text:
+                problems.append(f"{cls.__name__}.{flat}: default or help differs from {self.prefix}'s use")
+        return problems
 
     def add_arguments(self, parser: argparse.ArgumentParser, flags: Mapping[str, str] | None = None) -> None:
         """The same fields as `argparse` options (`--{prefix}_{name}`, or the flag `flags` names)."""

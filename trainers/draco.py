@@ -59,7 +59,7 @@ from trainers.credit import (
 BACKENDS = ("oracle", "openai", "self")
 STEP_QUALITIES = ("ratio", "strict")  # draco.md Eq. 4, D18
 LOSS_TYPES = ("grpo", "dapo", "bnpo")  # per-row mean, or one token mean (credit-interface.md §2.4)
-# the API judge's endpoint fields `judge_model`, `judge_base_url`, ... (declared from `rewards.judge.API_MODEL_FIELDS`)
+# the API judge's endpoint fields `judge_model`, `judge_base_url`, ..., as DRACOConfig declares them
 JUDGE = APIModelFields(
     "judge",
     ("model", "base_url", "api_key_env", "cache_path", "concurrency", "timeout", "max_retries", "temperature")
@@ -77,14 +77,28 @@ JUDGE = APIModelFields(
 
 
 @dataclass
-@JUDGE.add_fields
 class DRACOConfig(AgentGRPOConfig):
     """AgentGRPOConfig plus DRACO's judge settings (`docs/methods/draco.md` §4.6, §5); the endpoint fields
-    (`judge_model`, ..., `judge_price_output_per_mtok`) are declared by `JUDGE`, after `judge_backend`."""
+    (`judge_model`, ..., `judge_price_output_per_mtok`) follow `judge_backend`; `JUDGE` builds the judge from them."""
 
     judge_backend: str = field(
         default="oracle", metadata={"help": "Judge: `oracle` (ground truth, no LLM), `openai` (endpoint) or `self`."}
     )
+    # the API judge's endpoint (`judge_backend: openai`), read by JUDGE.judge_config; held to
+    # JUDGE by tests/test_judge.py
+    judge_model: str | None = field(default=None, metadata={"help": "Model id at the endpoint (`openai` only)."})
+    judge_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible base URL; None: OpenAI."})
+    judge_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "Env variable holding the API key."})
+    judge_cache_path: str | None = field(default=None, metadata={"help": "sqlite3 cache of judge answers."})
+    judge_concurrency: int = field(default=32, metadata={"help": "Most judge calls in flight (§4.6: 32)."})
+    judge_timeout: float = field(default=180.0, metadata={"help": "Seconds per judge call attempt (§4.6: 180)."})
+    judge_max_retries: int = field(default=2, metadata={"help": "Transport re-sends per call: 3 attempts (§4.6)."})
+    judge_temperature: float | None = field(
+        default=None, metadata={"help": "Judge temperature; None: 0.1 for an API judge (§4.2), 0.6 for self (D12)."}
+    )
+    judge_max_tokens: int = field(default=16384, metadata={"help": "Judge max output tokens (§5: 16,384)."})
+    judge_price_input_per_mtok: float = field(default=0.0, metadata={"help": "USD per million prompt tokens."})
+    judge_price_output_per_mtok: float = field(default=0.0, metadata={"help": "USD per million completion tokens."})
     judge_stage_retries: int = field(
         default=2, metadata={"help": "Re-asks after a validation error (counts, titles, citations) per stage call."}
     )

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 TOKEN_WEIGHT_MODES = ("linear_norm", "none", "topk_frac")
 RESIDUAL_MODES = ("editor", "leave_one_out", "off")
 EDITORS = ("card", "openai")
-# the 'openai' editor's endpoint fields `editor_model`, ... (declared from `rewards.judge.API_MODEL_FIELDS`)
+# the 'openai' editor's endpoint fields `editor_model`, ..., as FunnelConfig declares them
 EDITOR = APIModelFields(
     "editor",
     ("model", "base_url", "api_key_env", "cache_path", "timeout", "max_retries"),
@@ -60,12 +60,12 @@ EDITOR = APIModelFields(
 
 
 @dataclass
-@EDITOR.add_fields
 class FunnelConfig(AgentGRPOConfig):
     """AgentGRPOConfig plus the Funnel's loop, gates, editor and consolidation (`docs/methods/funnel.md` §5).
     `max_steps` is the length of one consolidation (`consolidation_steps` of the paper's loop); a fresh optimizer and
     schedule start at every consolidation (D15). Changed default: `loss_type="grpo"` (conventions.md C22). The
-    editor's endpoint fields (`editor_model`, ..., `editor_max_retries`) are declared by `EDITOR`, after `editor`."""
+    editor's endpoint fields (`editor_model`, ..., `editor_max_retries`) follow `editor`; `EDITOR` builds the editor
+    from them."""
 
     loss_type: str = field(default="grpo", metadata={"help": "TRL's loss aggregation for the GRPO part (Eq. 8)."})
     # the loop
@@ -103,6 +103,16 @@ class FunnelConfig(AgentGRPOConfig):
             "judge layer, rewards/judge.py)."
         },
     )
+    # the editor's endpoint (`editor: openai`), read by EDITOR.judge_config; held to
+    # EDITOR by tests/test_judge.py
+    editor_model: str | None = field(default=None, metadata={"help": "Model id at the endpoint ('openai' editor)."})
+    editor_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible base URL; None: OpenAI."})
+    editor_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "Env variable holding the API key."})
+    editor_cache_path: str | None = field(
+        default=None, metadata={"help": "sqlite3 cache of editor answers; None: <output_dir>/editor_cache.sqlite."}
+    )
+    editor_timeout: float = field(default=120.0, metadata={"help": "Seconds per editor request attempt."})
+    editor_max_retries: int = field(default=2, metadata={"help": "Transport re-sends after a failed request (§4.3)."})
     editor_evidence_rollouts: int = field(default=16, metadata={"help": "Rollouts shown to the editor (balanced)."})
     max_entries: int = field(default=8, metadata={"help": "Most entries of the state."})
     max_entry_chars: int = field(default=300, metadata={"help": "Longest entry text."})

@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("oracle", "openai")
 TAU_MODES = ("fixed", "auto")
-# the API analyzer's endpoint fields `analyzer_model`, ... (declared from `rewards.judge.API_MODEL_FIELDS`)
+# the API analyzer's endpoint fields `analyzer_model`, ..., as TASPOConfig declares them
 ANALYZER = APIModelFields(
     "analyzer",
     ("model", "base_url", "api_key_env", "cache_path", "concurrency", "timeout", "max_retries", "max_repairs")
@@ -80,11 +80,10 @@ ANALYZER = APIModelFields(
 
 
 @dataclass
-@ANALYZER.add_fields
 class TASPOConfig(AgentGRPOConfig):
     """AgentGRPOConfig plus TASPO's weights, analyzer and teacher settings (`docs/methods/taspo.md` §5); the endpoint
-    fields (`analyzer_model`, ..., `analyzer_price_output_per_mtok`) are declared by `ANALYZER`, after
-    `analyzer_backend`."""
+    fields (`analyzer_model`, ..., `analyzer_price_output_per_mtok`) follow `analyzer_backend`; `ANALYZER` builds the
+    analyzer from them."""
 
     taspo_epsilon: float = field(default=0.2, metadata={"help": "ε: weights lie in (1 − ε, 1 + ε) (taspo.md D1)."})
     taspo_kappa: float = field(default=0.05, metadata={"help": "κ: |Δ| below it (nats) counts as 0 (taspo.md Eq. 8)."})
@@ -103,6 +102,22 @@ class TASPOConfig(AgentGRPOConfig):
             "help": "`oracle` (built-in environments' ground truth, offline) or `openai` (any compatible endpoint)."
         },
     )
+    # the API analyzer's endpoint (`analyzer_backend: openai`), read by ANALYZER.judge_config; held to
+    # ANALYZER by tests/test_judge.py
+    analyzer_model: str | None = field(default=None, metadata={"help": "Model id at the endpoint (`openai` only)."})
+    analyzer_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible base URL; None: OpenAI."})
+    analyzer_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "Env variable holding the API key."})
+    analyzer_cache_path: str | None = field(default=None, metadata={"help": "sqlite3 cache of analyzer answers."})
+    analyzer_concurrency: int = field(default=32, metadata={"help": "Most analyzer calls in flight (taspo.md §5)."})
+    analyzer_timeout: float = field(default=180.0, metadata={"help": "Seconds per analyzer call attempt (§5)."})
+    analyzer_max_retries: int = field(default=2, metadata={"help": "Transport re-sends: 2 gives 3 attempts (D11)."})
+    analyzer_max_repairs: int = field(
+        default=2, metadata={"help": "Re-asks with the validation error after an invalid answer: 3 attempts (D11)."}
+    )
+    analyzer_temperature: float = field(default=0.0, metadata={"help": "Analyzer temperature (taspo.md §5)."})
+    analyzer_max_tokens: int = field(default=4096, metadata={"help": "Analyzer max output tokens."})
+    analyzer_price_input_per_mtok: float = field(default=0.0, metadata={"help": "USD per million prompt tokens."})
+    analyzer_price_output_per_mtok: float = field(default=0.0, metadata={"help": "USD per million completion tokens."})
     analyzer_step_deadline: float = field(
         default=1200.0, metadata={"help": "Seconds for all analyzer work of a step."}
     )
