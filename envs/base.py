@@ -12,7 +12,7 @@ An environment is an object with
   same (GiGPO's anchors, docs/methods/gigpo.md D1). When an environment gives none (an empty string), `state_key_of`
   uses the whitespace-normalised observation the agent saw last.
 
-Built-in environments (`envs/shop.py`, `envs/terminal.py`, `envs/search.py`) subclass `Env` and also provide a seeded
+Built-in environments (`envs/shop.py`, `envs/terminal/`, `envs/search.py`) subclass `Env` and also provide a seeded
 task generator with disjoint train and eval splits (`make_tasks`), an expert (`expert_action`) for demonstrations,
 and a plausible wrong action (`noisy_action`) for noisy demonstrations. Environments know nothing about trainers.
 

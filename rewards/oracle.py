@@ -44,7 +44,7 @@ import pydantic
 
 from envs.search import SearchEnv
 from envs.shop import ShopEnv, _attributes, _title
-from envs.terminal import TerminalEnv, _command_line, check_assertion
+from envs.terminal import TerminalEnv, check_assertion, command_line
 from rewards.judge import BaseJudge, M
 from rewards.rubrics import (
     Attributions,
@@ -262,7 +262,7 @@ def shop_list_checks(task: dict, actions: Sequence[str]) -> list[Check]:
 _SHELL_ERRORS = ("bash: ", ": No such file or directory", ": Is a directory", ": Not a directory", "missing operand")
 
 
-def _describe(assertion: dict) -> str:
+def describe_step(assertion: dict) -> str:
     kind, path = assertion["kind"], assertion["path"]
     return {
         "file_exists": f"A file exists at {path}",
@@ -282,7 +282,7 @@ def terminal_checks(task: dict, actions: Sequence[str]) -> list[Check]:
     submit_step = None
     for j, action in enumerate(actions, 1):
         observation, _, done, _ = env.step(action)
-        commands.append(_command_line(action))
+        commands.append(command_line(action))
         if any(e in observation for e in _SHELL_ERRORS):
             errors.append(j)
         if done:
@@ -293,7 +293,7 @@ def terminal_checks(task: dict, actions: Sequence[str]) -> list[Check]:
         holds = check_assertion(env.shell.files, env.shell.dirs, assertion)
         name = assertion["path"].strip("/").split("/")[-1]
         touched = [j for j, c in enumerate(commands, 1) if name and name in c]
-        title = _describe(assertion)
+        title = describe_step(assertion)
         description = f"At the end, {title[0].lower()}{title[1:]}."
         checks.append(Check(title, description, 1 if holds else -1, touched or _last(actions), essential=True))
     checks.append(

@@ -129,10 +129,10 @@ def canon_terminal(action: str, ctx: dict) -> tuple[str, dict]:
     >>> canon_terminal("rm -rf logs", {})[0]
     'remove<dir>'
     """
-    from envs.terminal import _command_line, _tokenize
+    from envs.terminal.shell import command_line, tokenize
 
     try:
-        tokens = _tokenize(_command_line(action))
+        tokens = tokenize(command_line(action))
     except ValueError:
         return _other(action)
     words = [text for kind, text in tokens if kind == "word"]
