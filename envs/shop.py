@@ -235,12 +235,13 @@ def _build_list_catalogue(task: dict) -> list[dict]:
     return items
 
 
-def _title(item: dict, level: int) -> str:
+def item_title(item: dict, level: int) -> str:
+    """The item's title as the listing shows it (its colour left out at level 4)."""
     words = [item["material"], item["type"]] if level == 4 else [item["colours"][0], item["material"], item["type"]]
     return " ".join(words)
 
 
-def _attributes(item: dict, size: str | None, colour: str, t: dict) -> dict[str, bool]:
+def item_attributes(item: dict, size: str | None, colour: str, t: dict) -> dict[str, bool]:
     """Which of the five attributes of target `t` the item with these options matches."""
     return {
         "type": item["type"] == t["type"],
@@ -493,7 +494,7 @@ class ShopEnv(Env):
         if self.difficulty not in PRICE_FILTER_LEVELS:  # levels 3 and 4: the listing order says nothing
             random.Random(f"{self.task['catalogue_seed']}|{' '.join(sorted(set(words)))}").shuffle(shown)
         self.page, self.results, self.item, self.chosen = "results", shown, None, {}
-        listing = " | ".join(f"[{it['id']}] {_title(it, self.difficulty)} ${it['price']}" for it in shown)
+        listing = " | ".join(f"[{it['id']}] {item_title(it, self.difficulty)} ${it['price']}" for it in shown)
         return self._ok(f"results: {listing or 'none'}")
 
     def _click(self, item_id: str) -> tuple[str, float, bool, dict]:
@@ -506,7 +507,7 @@ class ShopEnv(Env):
         options = f"sizes: {' '.join(item['sizes'])}"
         if self.difficulty == 4:
             options = f"colours: {' '.join(item['colours'])}. {options}"
-        return self._ok(f"item {item['id']}: {_title(item, self.difficulty)} ${item['price']}. {options}")
+        return self._ok(f"item {item['id']}: {item_title(item, self.difficulty)} ${item['price']}. {options}")
 
     def _choose(self, value: str) -> tuple[str, float, bool, dict]:
         if self.page != "item":
@@ -526,7 +527,7 @@ class ShopEnv(Env):
             return self._error("open an item first")
         item, t = self.item, self.task["target"]
         colour = self.chosen.get("colour") if self.difficulty == 4 else item["colours"][0]
-        matched = _attributes(item, self.chosen.get("size"), colour, t)
+        matched = item_attributes(item, self.chosen.get("size"), colour, t)
         reward = sum(matched.values()) / len(matched)
         self.page, self.success = "done", reward == 1.0
         info = {"success": self.success, "invalid": False, "matched": matched, "bought": item["id"]}
@@ -551,7 +552,7 @@ class ShopEnv(Env):
             return self._error("checkout needs the coupon word")
         targets = self.task["targets"]
         matched = [
-            _attributes(*self.cart[k], self.cart[k][0]["colours"][0], t)
+            item_attributes(*self.cart[k], self.cart[k][0]["colours"][0], t)
             if k < len(self.cart)
             else dict.fromkeys(("type", "material", "colour", "size", "price"), False)
             for k, t in enumerate(targets)
