@@ -235,7 +235,7 @@ def _build_list_catalogue(task: dict) -> list[dict]:
     return items
 
 
-def item_title(item: dict, level: int) -> str:
+def listing_title(item: dict, level: int) -> str:
     """The item's title as the listing shows it (its colour left out at level 4)."""
     words = [item["material"], item["type"]] if level == 4 else [item["colours"][0], item["material"], item["type"]]
     return " ".join(words)
@@ -494,7 +494,7 @@ class ShopEnv(Env):
         if self.difficulty not in PRICE_FILTER_LEVELS:  # levels 3 and 4: the listing order says nothing
             random.Random(f"{self.task['catalogue_seed']}|{' '.join(sorted(set(words)))}").shuffle(shown)
         self.page, self.results, self.item, self.chosen = "results", shown, None, {}
-        listing = " | ".join(f"[{it['id']}] {item_title(it, self.difficulty)} ${it['price']}" for it in shown)
+        listing = " | ".join(f"[{it['id']}] {listing_title(it, self.difficulty)} ${it['price']}" for it in shown)
         return self._ok(f"results: {listing or 'none'}")
 
     def _click(self, item_id: str) -> tuple[str, float, bool, dict]:
@@ -507,7 +507,7 @@ class ShopEnv(Env):
         options = f"sizes: {' '.join(item['sizes'])}"
         if self.difficulty == 4:
             options = f"colours: {' '.join(item['colours'])}. {options}"
-        return self._ok(f"item {item['id']}: {item_title(item, self.difficulty)} ${item['price']}. {options}")
+        return self._ok(f"item {item['id']}: {listing_title(item, self.difficulty)} ${item['price']}. {options}")
 
     def _choose(self, value: str) -> tuple[str, float, bool, dict]:
         if self.page != "item":

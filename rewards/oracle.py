@@ -43,7 +43,7 @@ from typing import Any
 import pydantic
 
 from envs.search import SearchEnv
-from envs.shop import ShopEnv, item_attributes, item_title
+from envs.shop import ShopEnv, item_attributes, listing_title
 from envs.terminal import TerminalEnv, check_assertion, command_line
 from rewards.judge import BaseJudge, M
 from rewards.rubrics import (
@@ -135,7 +135,7 @@ def shop_checks(task: dict, actions: Sequence[str]) -> list[Check]:
             return Check(title, description, -1, _last(actions), "nothing was bought", essential=True)
         first = chose.get(attr) if option else opened.get(item["id"])
         steps = sorted({s for s in (first, buy_step) if s})
-        bought = f"bought {item['id']} ({item_title(item, level)} ${item['price']}), options {env.chosen or 'none'}"
+        bought = f"bought {item['id']} ({listing_title(item, level)} ${item['price']}), options {env.chosen or 'none'}"
         return Check(title, description, 1 if matched[attr] else -1, steps, bought, essential=True)
 
     colour_option = any(len(it["colours"]) > 1 for it in env.catalogue)  # the level whose items offer colours
@@ -236,7 +236,7 @@ def shop_list_checks(task: dict, actions: Sequence[str]) -> list[Check]:
         (item, size), (click, choose, add) = env.cart[k - 1], entries[k - 1]
         matched = item_attributes(item, size, item["colours"][0], t)  # the checkout's own rule
         right_item = all(matched[a] for a in ("type", "material", "colour", "price"))
-        added = f"entry {k}: {item['id']} ({item_title(item, level)} ${item['price']}), size {size or 'none'}"
+        added = f"entry {k}: {item['id']} ({listing_title(item, level)} ${item['price']}), size {size or 'none'}"
         steps = sorted({s for s in (click, add) if s})
         checks.append(Check(item_title, item_description, 1 if right_item else -1, steps, added, essential=True))
         steps = sorted({s for s in (choose, add) if s})
