@@ -73,8 +73,9 @@ def run_arm(name: str, flags: list[str], steps: int, threads: int, workdir: Path
         "process_wall_s": round(wall, 1),
         "losses": [row.get("loss") for row in summary["log_history"] if "loss" in row],
         # the step time includes generation, and each arm's numerics sample completions of other lengths
-        "completion_lengths": [row["completions/mean_length"] for row in summary["log_history"]
-                               if "completions/mean_length" in row],  # fmt: skip
+        "completion_lengths": [
+            row["completions/mean_length"] for row in summary["log_history"] if "completions/mean_length" in row
+        ],  # fmt: skip
     }
 
 

@@ -163,7 +163,7 @@ if __name__ == "__main__":
     MarketToolset.run()
 '''
 
-TASKSET_PY = '''
+TASKSET_PY = """
 import verifiers.v1 as vf
 from vfa_test_market.tools import PRICES, MarketState, MarketToolset
 
@@ -206,7 +206,7 @@ class MarketTaskset(vf.Taskset[MarketTask, MarketConfig]):
 
 
 __all__ = ["MarketTaskset"]
-'''
+"""
 
 PRICES = {"fig": 7, "kiwi": 4}  # the table written into the tool server above
 

@@ -44,9 +44,7 @@ def test_wheel_holds_every_module(tmp_path):
     subprocess.run(cmd, cwd=src, check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("agent_trl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {"train.py"} | {
-        str(p.relative_to(ROOT)) for d in PACKAGES for p in (ROOT / d).rglob("*.py")
-    }
+    expected = {"train.py"} | {str(p.relative_to(ROOT)) for d in PACKAGES for p in (ROOT / d).rglob("*.py")}
     assert expected <= names, sorted(expected - names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "agent-trl-train = train:cli" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -52,6 +52,7 @@ from trainers.trl_api import unwrap_model_for_generation
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class LoopSettings:
     """Budgets of one episode. `max_turns=None` uses each environment's own `max_turns`."""
@@ -394,5 +395,3 @@ def trainer_rollouts(prompts: list, trainer, rows: list[dict]) -> list[Rollout]:
             reuse_cache=trainer.args.reuse_kv_cache,
         )
         return play(generate, trainer.processing_class, envs, tasks, prompts, settings, sync)
-
-

@@ -128,4 +128,3 @@ def speed(log_history: list[dict]) -> dict:
         "train_seconds_per_step": round(end["train_runtime"] / end["step"], 2) if end.get("step") else None,
         "peak_memory_gib": round(peak / 2**30, 2),
     }
-

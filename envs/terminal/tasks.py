@@ -478,4 +478,3 @@ LEVELS: dict[int, tuple[Callable[[random.Random], dict], ...]] = {
 }
 #: the number a level's tasks are seeded with: levels 3 and 4 were levels 1 and 2, and draw the same tasks as then
 SEED_LEVEL = {3: 1, 4: 2}
-
