@@ -16,6 +16,8 @@ tiny default trains without a model endpoint (as DRACO's `OracleJudge` does): it
 fresh environment and keeps the turns where the rollout took the environment expert's action; an item says "when the
 environment has just shown «observation»: take the action «action»"; a condition arises in a path when the path shows
 that observation (taspo.md D15).
+
+Decision ids (`Dn`) without a page are docs/methods/taspo.md's.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ Answers that still fail the schema after two re-asks, and tasks whose requests a
 `audit_failed` (fail closed); `--retry_failed` audits those again. A rerun resumes: task ids already in either file are
 skipped, and every record is appended as one line with a single write and an fsync (a torn last line from a crash is
 cut off on the next start).
+
+Decision ids (`Dn`) without a page are docs/methods/t1.md's.
 """
 
 from __future__ import annotations

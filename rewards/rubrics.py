@@ -29,6 +29,8 @@ judge can read the same prompts back (`extract_*` below).
 rows, runs stages 1-5, keeps per-row records for the credit stage (`last`) and logs `draco/*` metrics through TRL's
 `log_metric`. Deliberately left out: the input-budget shortening of §4.6 (observations are capped at
 `observation_chars` in the credit summary only) and per-phase endpoints (one judge serves all phases).
+
+Decision ids (`Dn`) without a page are docs/methods/draco.md's.
 """
 
 from __future__ import annotations

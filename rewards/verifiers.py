@@ -13,6 +13,8 @@ unscorable, as TRL treats `None`). They know nothing about trainers.
   tokens a decode-then-encode round trip would change (informational).
 
 Paper: T1, https://huggingface.co/papers/2609.11042.
+
+Decision ids (`Dn`) without a page are docs/methods/t1.md's.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ environment that declares `continues_past_cut`), `final_info`.
 MoE routing replay (R3, `docs/methods/routing-replay.md`): a generation backend may also return, per context, the route
 record of that call (`hf_generate(..., record_routes=True)`); `play` then keeps one record per rollout, stitched over
 turns by the first-computation rule (D5), of N_b - 1 rows for its N_b = prompt + completion tokens (`Rollout.routes`).
+
+Decision ids (`Dn`) without a page are docs/methods/routing-replay.md's.
 """
 
 from __future__ import annotations

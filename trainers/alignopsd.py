@@ -25,6 +25,8 @@ M2, semi-Markov credit (one row of K turns):
 
 Notation: n_t model tokens of turn t, N = Σ n_t, s_t = sign(A) · ḡ_t the outcome-aligned evidence, T the credit
 temperature.
+
+Decision ids (`Dn`) without a page are docs/methods/alignopsd.md's.
 """
 
 from __future__ import annotations
@@ -512,7 +514,7 @@ class AlignOPSDTrainer(AgentGRPOTrainer):
         groups = batch.group_ids.tolist()
         adv = batch.advantages.tolist()
         metrics: dict[str, float] = {}
-        # groups whose every A is 0 skip everything (D12); a group without PI falls back (D6)
+        # groups whose every A is 0 skip everything (D8); a group without PI falls back (D5)
         blocks = [self.pi_block(row) for row in batch.rows]
         start_row = acc.process_index * B if acc.num_processes > 1 else 0
         all_adv, all_groups, all_blocks = adv, groups, blocks
@@ -585,7 +587,7 @@ class AlignOPSDTrainer(AgentGRPOTrainer):
                 sims_of[g] = (rows, torch.einsum("rkd,sjd->rksj", student_vec[rows], teacher_vec[rows]))
         except ValueError:
             raise  # the calibration check: stop with its message (§4.4 item 4)
-        except Exception as err:  # D13: an encoder failure leaves H undefined: α = 0, no semantic boundaries
+        except Exception as err:  # D8: an encoder failure leaves H undefined: α = 0, no semantic boundaries
             logger.warning(
                 "AlignOPSD encoder failed (%s: %s): diagonal teachers only this step", type(err).__name__, err
             )

@@ -44,6 +44,8 @@ Then, per micro-batch of the optimisation, `micro_batch_loss` calls `policy_loss
 through `token_logps` with the loss mask: passed as `scored` by `forward_logps`, or set by `scoring_loss` around
 TRL's own loss, which makes its forward itself.
 
+Decision ids (`Dn`) without a page are docs/methods/grpo.md's.
+
 Logged metrics (besides TRL's), every generation batch, over all processes:
 - `env/success`: fraction of rollouts the environment judged successful.
 - `env/turns`: mean assistant turns per episode.
@@ -201,7 +203,8 @@ class AgentGRPOConfig(GRPOConfig):
     sched_explore: float = field(default=0.1, metadata={"help": "Share of a batch drawn uniformly (Eq. 17)."})
     sched_neighbours: int = field(default=10, metadata={"help": "k of the task graph's kNN (Eq. 11)."})
     sched_embeddings: bool = field(
-        default=True, metadata={"help": "Hashed n-gram embeddings of the task text in the similarity (Eq. 10, D7)."}
+        default=True,
+        metadata={"help": "Hashed n-gram embeddings of the task text in the similarity (envsched.md Eq. 10, D7)."},
     )
     sched_reward_range: list[float] = field(
         default_factory=lambda: [0.0, 1.0], metadata={"help": "[lo, hi] mapped to [0, 1] for scheduling (Eq. 1)."}
@@ -240,7 +243,7 @@ class AgentGRPOConfig(GRPOConfig):
                 )
             if self.sched_half_life is not None and self.sched_half_life <= 0:
                 raise ValueError(f"sched_half_life must be > 0 or None, got {self.sched_half_life}")
-            self.ignore_data_skip = True  # a resumed run serves the scheduler's pending draws, never replays (D17)
+            self.ignore_data_skip = True  # a resumed run serves the scheduler's pending draws (envsched.md D17)
         if self.routing_replay and self.router_aux_loss_coef != 0.0:
             # derived: routing-replay.md D10, the load-balancing loss is off under replay (None = the model's own)
             was = "None (the model's own)" if self.router_aux_loss_coef is None else self.router_aux_loss_coef
@@ -462,7 +465,7 @@ class AgentGRPOTrainer(TRLSeams):
         )
         self._unscorable_streak: list[float] = []  # unscorable fractions of the last batches above the guard's bound
         if self.routing_replay.setup(self.accelerator.unwrap_model(self.model)):  # refuses unsupported setups
-            self.aux_loss_enabled = False  # router_aux_loss_coef is 0.0 (AgentGRPOConfig.__post_init__, D10)
+            self.aux_loss_enabled = False  # router_aux_loss_coef is 0.0 (__post_init__, routing-replay.md D10)
         if self.args.keep_freed_memory and self.accelerator.device.type == "cpu":
             keep_freed_memory()  # D14: a CPU step reuses its freed activations instead of faulting them in again
 
@@ -629,7 +632,7 @@ class AgentGRPOTrainer(TRLSeams):
             self.generation_step = None
 
     def _generate_and_score(self, inputs: list[dict], step: GenerationStep) -> dict:
-        with self.routing_replay.generation(), cpu_fast_paths():  # nothing replays in generation (routing-replay D7)
+        with self.routing_replay.generation(), cpu_fast_paths():  # no replay in generation (routing-replay.md D7)
             try:
                 out = super().generate_and_score(inputs)
             finally:

@@ -24,6 +24,8 @@ Logged metrics (`beta_opsd/`, beta-opsd.md §8): `teacher_weight`, `beta`, `rho_
 `rho_pos_frac`, `rtg_mean`, `rtg_abs_max`, `rtg_std`, `teacher_student_logratio_mean`, `logZ_mean` (`logit_full`),
 `adv_at_lower_bound_frac` (`prob_sampled`), `model_tokens_per_seq`, `env_tokens_per_seq`, `privileged_frac` (rows
 with a privileged text), `teacher_forward_seconds`, and with λ_d < 1 `grpo_part_abs_mean`, `distill_part_abs_mean`.
+
+Decision ids (`Dn`) without a page are docs/methods/beta-opsd.md's.
 """
 
 from __future__ import annotations
@@ -289,7 +291,7 @@ class BetaOPSDTrainer(AgentGRPOTrainer):
         blocks = self.privileged_texts(batch.rows)
         has_text = torch.tensor([bool(b) for b in blocks], dtype=torch.bool, device=mask.device)
         start = time.perf_counter()
-        logp_old = plain_logps(self, batch)  # the current student on its own prompt (D2, D6), no gradient
+        logp_old = plain_logps(self, batch)  # the current student on its own prompt (D2), no gradient
         log_z = None
         if args.target_space == "prob_sampled":
             source = "initial" if args.opsd_teacher == "fixed" else "policy"
@@ -318,7 +320,7 @@ class BetaOPSDTrainer(AgentGRPOTrainer):
         self, batch: RolloutBatch, blocks: list[str | None], w: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Eq. 5 from full-vocabulary log-softmax outputs of the reference (plain prompt) and the teacher (privileged
-        prompt), `logz_chunk_rows` rows at a time so that only (rows, T, V) is held (D15). Returns (B, T) log p̃(y_t),
+        prompt), `logz_chunk_rows` rows at a time so that only (rows, T, V) is held. Returns (B, T) log p̃(y_t),
         log Z_t and the teacher's log-probs of the sampled tokens, 0 off the completion and on rows without a text."""
         args = self.args
         B, T = batch.completion_ids.shape

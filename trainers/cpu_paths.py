@@ -7,6 +7,8 @@ or call the base trainer makes at a named point:
 
 The switches inside transformers and TRL (their fused head and grouped key/value attention on CPU) are
 `trainers.trl_api.cpu_fast_paths`, since they reach private names.
+
+Decision ids (`Dn`) without a page are docs/methods/grpo.md's.
 """
 
 from __future__ import annotations

@@ -34,6 +34,8 @@ Logged metrics (besides the `credit/*` set of credit-interface §10):
   `draco/uncited_step_frac`: citation density; `draco/zero_adv_rate`: rows with A = 0 (no credit call, D10);
 - `draco/judge_*`: the judge's `metrics()` (calls, requests, retries, timeouts, parse failures, tokens, Eq. 11 cost)
   and per-phase `draco/judge_calls|retries|failures|deadline/<phase>`, `draco/judge_truncations`.
+
+Decision ids (`Dn`) without a page are docs/methods/draco.md's.
 """
 
 from __future__ import annotations

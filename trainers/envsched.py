@@ -12,6 +12,8 @@ and losses are unchanged. Per generation batch:
 This file reads top to bottom: the pure functions (`scale_reward`, `decay_factor`, `posterior`, `informativeness`,
 `uncertainty`, `score`, `environment_similarity`, `knn_graph`, `priors`, `select_batch`, `# Eq. N` on the implementing
 lines), then `EnvScheduler` (state, draws, updates, checkpoints) and `SchedulerSampler` (TRL's sampler layout).
+
+Decision ids (`Dn`) without a page are docs/methods/envsched.md's.
 """
 
 from __future__ import annotations

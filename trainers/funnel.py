@@ -18,6 +18,8 @@ This file reads top to bottom: `FunnelConfig`, the pure math (`benefit`, `transi
 Logged metrics (`funnel/`, funnel.md §8) per generation batch: `selected_frac` (rows with c > 0), `jsd_mean`,
 `jsd_median`, `jsd_p95`, `omega_mean`, `omega_at_max_frac`, `teacher_forward_seconds`; per micro-batch
 `distill_loss`, `kl_mean` (selected rows), `rl_loss`.
+
+Decision ids (`Dn`) without a page are docs/methods/funnel.md's.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ same output_dir; what the killed phase did is done again from the same RNG state
 Splits (D16): the selection-validation split D_sel is `gate_tasks` training tasks chosen by a seeded hash of their
 task ids and removed from the training pool; the held-out tasks (`num_eval_tasks`) are the test split, read only by
 the before/after reports. Every decision is logged in `funnel.json`'s `history` and drawn in `funnel.png`.
+
+Decision ids (`Dn`) without a page are docs/methods/funnel.md's.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ Logged metrics (besides the `credit/*` set of credit-interface.md §10): `gigpo/
 `gigpo/adv_episode_abs_mean`, `gigpo/adv_step_abs_mean`, `gigpo/adv_step_std`, `gigpo/sign_flip_turn_frac`,
 `gigpo/zero_var_groups_with_step_signal`, `gigpo/similarity_merges`, `gigpo/missing_key_frac`, `gigpo/return_mean`
 (gigpo.md §8).
+
+Decision ids (`Dn`) without a page are docs/methods/gigpo.md's.
 """
 
 from __future__ import annotations

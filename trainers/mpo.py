@@ -42,6 +42,8 @@ Logged metrics (besides the PPO trainer's `critic/*`, `actor/*`, `ppo/*`, `t1/*`
 - `mpo/turn_clip_frac`: fraction of turns whose ratio lies outside [1 - eps_low, 1 + eps_high].
 - `mpo/ratio_clamp_frac`: fraction of turns with |Lambda_k| > turn_log_ratio_clamp (should be ~0).
 - `mpo/token_clip_frac`, `mpo/dual_clip_frac`: model tokens whose clipped branch binds / with A~ < 0 and rho > c_dual.
+
+Decision ids (`Dn`) without a page are docs/methods/mpo.md's.
 """
 
 from __future__ import annotations

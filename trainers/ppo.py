@@ -55,6 +55,8 @@ Logged metrics:
 - `ppo/advantage_mean`, `ppo/advantage_std`: over model tokens, after optional whitening.
 - `ppo/bootstrapped_frac`: fraction of rows bootstrapping from the value (cut by a budget and bootstrapped, C4).
 - `t1/tito_mismatch_tokens`: loss-bearing tokens whose id is not the id the sampler emitted (must be 0).
+
+Decision ids (`Dn`) without a page are docs/methods/t1.md's (this file's critic practices are T1's).
 """
 
 from __future__ import annotations

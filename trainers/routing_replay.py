@@ -46,6 +46,8 @@ What it leaves out:
 * Overriding TRL: the trainer (trainers/base.py) overrides TRL's private methods and calls `RoutingReplay` from
   them, handing in TRL's own log-prob forward.
 * TRL's own `GRPOConfig.router_aux_loss_coef`, which the trainer must set to 0.0 itself (D10).
+
+Decision ids (`Dn`) without a page are docs/methods/routing-replay.md's.
 """
 
 import logging

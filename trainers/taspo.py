@@ -26,6 +26,8 @@ Logged metrics (besides the `credit/*` set of credit-interface.md §10): `taspo/
 `taspo/tau`, `taspo/w_min`, `taspo/w_max`, `taspo/w_std`, `taspo/action_turn_frac`, `taspo/action_span_fallback_frac`,
 `taspo/teacher_forward_s`, and the analyzer's `taspo/analyzer_*` (calls, requests,
 retries, timeouts, parse_failures, tokens, cost_usd, cost_usd_cum; `rewards/judge.py`) (taspo.md §8).
+
+Decision ids (`Dn`) without a page are docs/methods/taspo.md's.
 """
 
 from __future__ import annotations

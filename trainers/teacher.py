@@ -13,6 +13,8 @@ The "pre-update policy" is the model as it is when `compute_advantages` runs: th
 generation batch yet, so no copy of the weights is needed, with LoRA or without (teacher-pass.md D1). The reference
 model is TRL's own: `trainer.ref_model` when TRL made one (β > 0), or the PEFT model with its adapter disabled
 (teacher-pass.md D2).
+
+Decision ids (`Dn`) without a page are docs/methods/teacher-pass.md's.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ What it holds:
    step in place (a subclass of its `DynamicLayer`).
 4. TRL helpers that TRL does not export at its top level (`use_adapter`, `unwrap_model_for_generation`, the chunked
    divergence kernel, ...), re-exported, and two private config attributes read through functions.
+
+Decision ids (`Dn`) without a page are docs/methods/grpo.md's.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ This file holds the method's pure parts, top to bottom:
 
 The trainer and the logged environment live in `trainers/xtree_trainer.py`; `python -m trainers.xtree_cli` mines,
 prints and draws trees.
+
+Decision ids (`Dn`) without a page are docs/methods/xtree.md's.
 """
 
 from __future__ import annotations

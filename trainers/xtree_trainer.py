@@ -20,6 +20,8 @@ Logged metrics (`xtree/`): bonus use: `lambda_mean`, `w0_frac`, `wmax_frac`, `ra
 `bonus_var_share`, `bonus_inversions`, `rollout_coverage`, `rollout_tile_depth`, `verifier_success`; node use:
 `match_frac` (mean m/L), `full_frac`, `full_frac/depth<d>`, `reward/depth<d>`, `reject/<parse|token|slot>` (share of
 rollouts ended by each kind of mismatch), `first_mismatch/<k>` (share whose first mismatch was gold step k).
+
+Decision ids (`Dn`) without a page are docs/methods/xtree.md's.
 """
 
 from __future__ import annotations
