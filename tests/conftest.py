@@ -136,3 +136,15 @@ class RecordingTrainer(AgentGRPOTrainer):
     def compute_advantages(self, batch):
         self.seen = batch
         return super().compute_advantages(batch)
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list:
+    """The tiny builds `agent_trl.run_info.resolve_model` asks for, recorded as (function, args, kwargs); each returns
+    a folder name (tests/test_run_info.py, tests/test_tiny_split_brackets.py)."""
+    from agent_trl import run_info
+
+    calls = []
+    for name in ("tiny_model", "tiny_dataset_model"):
+        monkeypatch.setattr(run_info, name, lambda *a, _n=name, **k: calls.append((_n, a, k)) or f"/built/{_n}")
+    return calls

@@ -8,11 +8,11 @@ import json
 
 import pytest
 from conftest import CPU_ARGS
-from test_audit import KEY_ENV, planted_tasks, scripted_auditor
 
 import train
 from envs.base import row_task
 from rewards.audit import main as audit_main
+from tests.helpers.audit import KEY_ENV, planted_tasks, scripted_auditor
 from tests.judge_server import JudgeServer
 
 

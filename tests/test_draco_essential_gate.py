@@ -168,7 +168,7 @@ def test_oracle_marks_the_shops_outcome_checks_essential_and_gates_a_purchase_wi
 
 
 def test_trainer_smoke_with_the_gate(tiny_model_folder, tiny_tokenizer, tmp_path, monkeypatch):
-    from tests.test_draco import DATA, SHOP_TASKS, Probe, check_batches, config, scripted_policy
+    from tests.helpers.draco import DATA, SHOP_TASKS, Probe, check_batches, config, scripted_policy
     from trainers import agent_loop
 
     monkeypatch.setattr(agent_loop, "hf_generate", scripted_policy(p_expert=0.6))

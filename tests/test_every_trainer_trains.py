@@ -31,11 +31,11 @@ import pytest
 import torch
 from conftest import CPU_ARGS, EchoEnv
 from datasets import Dataset
-from test_analyzer import Scripted
-from test_draco import DATA as SHOP_DATA
-from test_draco import scripted_policy as shop_policy
 
 from envs.shop import ShopEnv
+from tests.helpers.analyzer import Scripted
+from tests.helpers.draco import DATA as SHOP_DATA
+from tests.helpers.draco import scripted_policy as shop_policy
 from trainers import TRAINERS, agent_loop
 from trainers.funnel_state import Entry, State, render_state
 

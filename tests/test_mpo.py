@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.test_ppo import (
+from tests.helpers.ppo import (
     AlternatingEcho,
     capture_audits,
     capture_batches,
@@ -18,7 +18,7 @@ from tests.test_ppo import (
     check_tito_audit,
     logged,
 )
-from tests.test_ppo import make_trainer as make_ppo_trainer
+from tests.helpers.ppo import make_trainer as make_ppo_trainer
 from trainers.mpo import MPOConfig, MPOTrainer
 
 

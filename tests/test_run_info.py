@@ -10,22 +10,9 @@ import transformers
 import trl
 from trl import ModelConfig
 
-from agent_trl import run_info
 from agent_trl.arguments import RunArguments
 from agent_trl.run_info import adapter_settings, count_parameters, resolve_model, versions
-
-
-@pytest.fixture
-def builds(monkeypatch) -> list:
-    """The tiny builds resolve_model asks for, recorded as (function, args, kwargs); each returns a folder name."""
-    calls = []
-    for name in ("tiny_model", "tiny_dataset_model"):
-        monkeypatch.setattr(run_info, name, lambda *a, _n=name, **k: calls.append((_n, a, k)) or f"/built/{_n}")
-    return calls
-
-
-def sources(environment=None, train=(), environment_kwargs=None) -> SimpleNamespace:
-    return SimpleNamespace(environment=environment, train=list(train), environment_kwargs=environment_kwargs)
+from tests.helpers.run_info import sources
 
 
 @pytest.mark.parametrize("name", ["Qwen/Qwen3-0.6B", "/models/mine", "tinyllama/TinyLlama-1.1B"])

@@ -22,10 +22,10 @@ import pytest
 import torch
 from conftest import CPU_ARGS, WORDS, EchoEnv
 from datasets import Dataset
-from test_analyzer import KEY_ENV, SENTINEL, Scripted
 
 import trainers.taspo as taspo_module
 import trainers.teacher as teacher_module
+from tests.helpers.analyzer import KEY_ENV, SENTINEL, Scripted
 from tests.judge_server import JudgeServer, hang, ok
 from trainers import agent_loop
 from trainers.taspo import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 from agent_trl.arguments import RunArguments
 from agent_trl.run_info import resolve_model
 from envs.tiny import SHIPPED, TinySpec, build_tokenizer
-from tests.test_run_info import builds, sources  # noqa: F401 (the fixture)
+from tests.helpers.run_info import sources
 
 # the shop's level-2 coupon: shown in the instruction after a space, typed in the checkout action's brackets
 CORPUS = ["user assistant system", "pay with coupon [fig]", "checkout[fig]", "click[owl] search[fig tree]"] * 30
