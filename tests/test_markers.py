@@ -69,3 +69,18 @@ def test_the_check_sees_an_unmarked_torchrun_test():
 def test_every_torchrun_test_is_marked_distributed():
     found = {p.name: hits for p in sorted(TESTS.glob("test_*.py")) if (hits := unmarked_torchrun_tests(p.read_text()))}
     assert found == {}
+
+
+def test_every_trainer_has_a_two_process_run():
+    """Each trainer of `TRAINERS` is run on two processes against one by a distributed test: GRPO, PPO and X-Tree by
+    their own, the rest by tests/test_distributed_trainers.py (its `NAMES`)."""
+    from trainers import TRAINERS
+
+    own = {"grpo": "test_distributed_grpo.py", "ppo": "test_distributed_ppo.py", "xtree": "test_xtree_trainer.py"}
+    for name, test in own.items():
+        assert "pytest.mark.distributed" in (TESTS / test).read_text(), name  # the marker of the two-process runs
+    tree = ast.parse((TESTS / "test_distributed_trainers.py").read_text())
+    names = next(
+        ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "NAMES"
+    )
+    assert set(names) | set(own) == set(TRAINERS)
