@@ -30,7 +30,9 @@ Measured per method and environment, over the rows the method credited (A != 0, 
   one (A < 0) the smaller (less blame); ties count 1/2, so 0.5 is no information. The credit is the multiplier w of
   TASPO and AlignOPSD (credit-interface.md Eq. I-2), which moves a rollout's advantage between its own turns. (GiGPO
   is left out: its step advantage compares actions taken from one state across rollouts, not the turns of a row.)
-* the mean credit on expert turns and on other turns, for A > 0 and A < 0 separately, and the number of pairs.
+* the mean credit on expert turns and on other turns, for A > 0 and A < 0 separately, and the number of pairs;
+* the ordering share over the pairs that leave the opening turn out, and the mean credit of opening turns (on a
+  guessing game every opening guess is sound play, whatever the teacher thinks of it).
 
 Writes bench/results/credit_signal/result.json and result.md, or into `--out`.
 """
@@ -131,8 +133,8 @@ def measure_trainer(trainer, sources, method: str, env: str, batches: int, label
     trainer.args.max_steps, trainer.args.learning_rate = batches, 0.0  # every batch is played by the SFT start
     trainer.args.logging_steps = batches
     trainer.train()
-    stats = {(sign, kind): [] for sign in ("winner", "loser") for kind in ("expert", "other")}
-    helpful = pairs = 0.0
+    stats = {(sign, kind): [] for sign in ("winner", "loser") for kind in ("expert", "other", "first")}
+    helpful = pairs = later_helpful = later_pairs = 0.0
     for i, (batch, credit) in enumerate(trainer.recorded):
         print(
             f"{method} {env} batch {i}: success {sum(r['success'] for r in batch.rows)}/{len(batch.rows)}, "
@@ -149,18 +151,23 @@ def measure_trainer(trainer, sources, method: str, env: str, batches: int, label
             sign = "winner" if a > 0 else "loser"
             for k in live:
                 stats[(sign, "expert" if labels[k] else "other")].append(values[k])
+                if k == 0:
+                    stats[(sign, "first")].append(values[k])  # the opening turn, whatever its label
             experts = [k for k in live if labels[k]]
             others = [k for k in live if not labels[k]]
             for e in experts:
                 for o in others:
-                    pairs += 1
                     if values[e] == values[o]:
-                        helpful += 0.5
+                        score = 0.5
                     elif a > 0:
-                        helpful += values[e] > values[o]  # larger credit on the expert turn
+                        score = float(values[e] > values[o])  # larger credit on the expert turn
                     else:
-                        helpful += values[e] < values[o]  # less blame on the expert turn
+                        score = float(values[e] < values[o])  # less blame on the expert turn
+                    pairs, helpful = pairs + 1, helpful + score
+                    if e > 0 and o > 0:  # the same pairs without the opening turn
+                        later_pairs, later_helpful = later_pairs + 1, later_helpful + score
     out = {"pairs": pairs, "ordering_share": helpful / pairs if pairs else None}
+    out |= {"later_pairs": later_pairs, "later_ordering_share": later_helpful / later_pairs if later_pairs else None}
     for (sign, kind), values in stats.items():
         out[f"{sign}_{kind}_mean"] = sum(values) / len(values) if values else None
         out[f"{sign}_{kind}_turns"] = len(values)
@@ -243,9 +250,9 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 print(name, env, results[f"{name}/{env}"], file=sys.stderr)
     lines = [
-        f"| method | environment | ordering share (0.5: none) | pairs | A > 0: {opts.label} / other turns | "
-        f"A < 0: {opts.label} / other turns |",
-        "|---|---|---:|---:|---|---|",
+        f"| method | environment | ordering share (0.5: none) | pairs | without the opening turn (pairs) | "
+        f"A > 0: {opts.label} / other turns | A < 0: {opts.label} / other turns | opening turn: A > 0 / A < 0 |",
+        "|---|---|---:|---:|---:|---|---|---|",
     ]
 
     def fmt(x):
@@ -255,8 +262,10 @@ def main(argv: list[str] | None = None) -> dict:
         name, env = key.split("/")
         lines.append(
             f"| {name} | {env} | {fmt(r['ordering_share'])} | {int(r['pairs'])} | "
+            f"{fmt(r['later_ordering_share'])} ({int(r['later_pairs'])}) | "
             f"{fmt(r['winner_expert_mean'])} / {fmt(r['winner_other_mean'])} | "
-            f"{fmt(r['loser_expert_mean'])} / {fmt(r['loser_other_mean'])} |"
+            f"{fmt(r['loser_expert_mean'])} / {fmt(r['loser_other_mean'])} | "
+            f"{fmt(r['winner_first_mean'])} / {fmt(r['loser_first_mean'])} |"
         )
     lines.append(
         "\nCredit per turn: the multiplier w (1 = GRPO's share). Ordering share: within-row "

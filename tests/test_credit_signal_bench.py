@@ -56,8 +56,9 @@ def test_a_recipe_run_writes_its_result(tmp_path, monkeypatch):
     """The recipe path is written into result.json as text (a Path there once failed the write after a long run)."""
     import json
 
-    means = {f"{sign}_{kind}_mean": None for sign in ("winner", "loser") for kind in ("expert", "other")}
-    monkeypatch.setattr(credit_signal, "measure", lambda *a, **k: {"pairs": 0.0, "ordering_share": None} | means)
+    means = {f"{sign}_{kind}_mean": None for sign in ("winner", "loser") for kind in ("expert", "other", "first")}
+    shares = {"pairs": 0.0, "ordering_share": None, "later_pairs": 0.0, "later_ordering_share": None}
+    monkeypatch.setattr(credit_signal, "measure", lambda *a, **k: shares | means)
     recipe = credit_signal.ROOT / "configs" / "smollm2_guess_the_number.yaml"
     credit_signal.main(["--recipe", str(recipe), "--methods", "alignopsd", "--out", str(tmp_path)])
     record = json.loads((tmp_path / "result.json").read_text())
