@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,9 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
         record = json.loads((folder / "result.json").read_text())
         with tempfile.TemporaryDirectory() as tmp:
             copy = Path(tmp) / folder.name
-            subprocess.run(
-                ["cp", "-r", str(folder), str(copy)], check=True
-            )  # the stored runs, where the command reads them
+            shutil.copytree(folder, copy)  # the stored runs, where the command reads them
             (copy / "table.md").unlink(missing_ok=True)
             done = subprocess.run(stored_command(record, copy), cwd=ROOT, env=env, capture_output=True, text=True)
             new = (copy / "table.md").read_text() if (copy / "table.md").exists() else None

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,6 +32,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from envs.shop import ShopEnv  # noqa: E402
 from tests.helpers.analyzer import Scripted  # noqa: E402
+from tests.helpers.draco import shadow_shop  # noqa: E402
 from trainers import TRAINERS, agent_loop, generation  # noqa: E402
 from trainers.funnel_state import Entry, State, render_state  # noqa: E402
 
@@ -96,11 +96,7 @@ def shop_policy(tasks):
         def generate(contexts, max_new_tokens):
             out = []
             for ctx in contexts:
-                text = tokenizer.decode(ctx)
-                env = ShopEnv()
-                env.reset(by_instruction[text.split("Instruction: ", 1)[1].split("\n", 1)[0]])
-                for action in re.findall(r"<\|im_start\|>assistant\n(.*?)<\|im_end\|>", text, flags=re.DOTALL):
-                    env.step(action)
+                env = shadow_shop(tokenizer.decode(ctx), by_instruction)
                 rng = context_rng(ctx)
                 action = env.expert_action() if rng.random() < P_EXPERT else env.noisy_action(rng)
                 ids = tokenizer(action, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -113,7 +109,8 @@ def shop_policy(tasks):
 
 
 def teacher_words(model, contexts, max_new_tokens, eos, *args, **kwargs):
-    """AlignOPSD's free teacher generation, by the context: the first token of a word, then the end."""
+    """AlignOPSD's free teacher generation, by the context: one token id drawn from a hash of the context, then the
+    end."""
     return [[context_rng(c).randrange(5, 60), eos[0]][:max_new_tokens] for c in contexts]
 
 

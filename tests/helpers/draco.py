@@ -24,6 +24,15 @@ DATA = Dataset.from_list(
 )
 
 
+def shadow_shop(text: str, by_instruction: dict[str, dict] = BY_INSTRUCTION) -> ShopEnv:
+    """A fresh shop on the task a decoded context names, with the context's assistant actions replayed in it."""
+    env = ShopEnv()
+    env.reset(by_instruction[text.split("Instruction: ", 1)[1].split("\n", 1)[0]])
+    for action in re.findall(r"<\|im_start\|>assistant\n(.*?)<\|im_end\|>", text, flags=re.DOTALL):
+        env.step(action)
+    return env
+
+
 def scripted_policy(p_expert: float, seed: int = 0):
     """An `hf_generate` stand-in: replays the context's actions in a shadow shop and emits the expert's next action
     with probability `p_expert`, else a plausible mistake. The tiny random model is still the trained policy."""
@@ -33,11 +42,7 @@ def scripted_policy(p_expert: float, seed: int = 0):
         def generate(contexts, max_new_tokens):
             out = []
             for ctx in contexts:
-                text = tokenizer.decode(ctx)
-                env = ShopEnv()
-                env.reset(BY_INSTRUCTION[text.split("Instruction: ", 1)[1].split("\n", 1)[0]])
-                for action in re.findall(r"<\|im_start\|>assistant\n(.*?)<\|im_end\|>", text, flags=re.DOTALL):
-                    env.step(action)
+                env = shadow_shop(tokenizer.decode(ctx))
                 action = env.expert_action() if rng.random() < p_expert else env.noisy_action(rng)
                 ids = tokenizer(action, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                 out.append((ids, [-1.0] * len(ids)))
